@@ -1,0 +1,34 @@
+"""hf_rlhf: RLHF as thin `transformers.Trainer` subclasses.
+
+Names are imported lazily, so `import hf_rlhf` stays cheap and never imports an optional extra.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ModelConfig": "hf_rlhf.configs",
+    "SFTConfig": "hf_rlhf.configs",
+    "SFTTrainer": "hf_rlhf.trainers.sft",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_rlhf' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .configs import ModelConfig, SFTConfig
+    from .trainers.sft import SFTTrainer

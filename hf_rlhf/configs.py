@@ -1,0 +1,169 @@
+"""Configuration dataclasses.
+
+`ModelConfig` says how to load a model (dtype, attention, LoRA, 4/8-bit). The trainer configs are
+`transformers.TrainingArguments` subclasses, so every Trainer option (optimizer, scheduler, logging,
+checkpoints, DeepSpeed, ...) works unchanged. Option names follow TRL where TRL has the same option.
+
+Device-dependent defaults: `bf16` and `activation_checkpointing` (formerly
+`gradient_checkpointing`) are left unset (`None`) and resolved in
+`__post_init__`: on CUDA both are on (as in TRL); on CPU both are off, because bf16 autocast plus
+gradient checkpointing ran SFT at 0.55-0.58x the fp32 speed on a 2-core CPU. Passing either
+explicitly always wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from transformers import TrainingArguments
+
+from .imports import is_flash_attn_available
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cuda_bf16() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def default_attn_implementation() -> str:
+    """`flash_attention_2` when flash-attn is installed and CUDA is there, else `sdpa`."""
+    return "flash_attention_2" if (_cuda_available() and is_flash_attn_available()) else "sdpa"
+
+
+@dataclass
+class ModelConfig:
+    """How to load a model: weights, dtype, attention, LoRA adapters and bitsandbytes quantization.
+
+    Names follow `trl.ModelConfig`; `bnb_4bit_use_double_quant` is transformers' name for what TRL
+    calls `use_bnb_nested_quant` (both are accepted, either turns it on).
+    """
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hub id or local path. None: the recipe's embedded toy model."}
+    )
+    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit to load."})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "Weights dtype: auto, float32, bfloat16 or float16.",
+                  "choices": ["auto", "float32", "bfloat16", "float16"]},
+    )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "eager, sdpa or flash_attention_2. None: flash_attention_2 when flash-attn and CUDA "
+                          "are available, else sdpa."},
+    )
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom modelling code from the Hub."})
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Modules to adapt. None: all linear layers except the output head."}
+    )
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Extra modules trained in full and saved with the adapter (e.g. a score head)."}
+    )
+    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "peft task type (CAUSAL_LM, SEQ_CLS)."})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA scaling alpha/sqrt(r)."})
+    use_dora: bool = field(default=False, metadata={"help": "Weight-decomposed LoRA (DoRA)."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes)."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base in 8 bit (bitsandbytes)."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit type.", "choices": ["nf4", "fp4"]})
+    bnb_4bit_use_double_quant: bool = field(default=False, metadata={"help": "Quantize the quantization constants."})
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "TRL's name for bnb_4bit_use_double_quant."})
+    bnb_4bit_compute_dtype: str | None = field(
+        default=None, metadata={"help": "Compute dtype of 4-bit layers. None: bfloat16 on CUDA, float32 on CPU."}
+    )
+    bnb_4bit_quant_storage: str | None = field(default=None, metadata={"help": "Storage dtype of 4-bit weights."})
+
+    def __post_init__(self):
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("ModelConfig: load_in_4bit and load_in_8bit cannot both be set.")
+        if (self.load_in_4bit or self.load_in_8bit) and not self.use_peft:
+            raise ValueError("ModelConfig: a 4/8-bit base cannot be trained in full; set use_peft=True (QLoRA).")
+        if self.use_bnb_nested_quant:
+            self.bnb_4bit_use_double_quant = True
+        if isinstance(self.lora_target_modules, list) and len(self.lora_target_modules) == 1:
+            # "all-linear" or one module name given on the command line
+            self.lora_target_modules = self.lora_target_modules[0]
+        if self.attn_implementation is None:
+            self.attn_implementation = default_attn_implementation()
+        elif self.attn_implementation.startswith("flash_attention") and not is_flash_attn_available():
+            raise ImportError(
+                f"attn_implementation={self.attn_implementation!r} needs flash-attn: pip install 'hf-rlhf[flash]' "
+                "(CUDA only), or use attn_implementation='sdpa'."
+            )
+
+
+class DeviceDefaultsMixin:
+    """Resolve `bf16` / `activation_checkpointing` left as None from the device (see module docstring)."""
+
+    def _resolve_device_defaults(self):
+        if self.bf16 is None:
+            self.bf16 = (not self.fp16) and _cuda_bf16() and not self.use_cpu
+        if self.gradient_checkpointing is None and self.activation_checkpointing is None:
+            self.activation_checkpointing = _cuda_available() and not self.use_cpu
+
+
+@dataclass
+class SFTConfig(DeviceDefaultsMixin, TrainingArguments):
+    """Supervised fine-tuning options (a `TrainingArguments`).
+
+    Data:
+        dataset_text_field: column of plain-text datasets.
+        max_length: longest tokenized example; also the packed row length.
+        overlong_policy: what to do with an example longer than `max_length`: `truncate` (keep the
+            start, TRL's `keep_start`), `drop`, or `error`. The number affected is logged.
+        chat_template_path: a tokenizer directory or a Jinja file whose template replaces the
+            tokenizer's one.
+    Packing:
+        packing: pack the dataset into rows of `max_length` (best-fit decreasing, `trl.pack_dataset`);
+            examples never attend to each other (restarted `position_ids`, no attention mask).
+        padding_free: concatenate each batch into one row without pre-packing the dataset.
+    Loss:
+        completion_only_loss: loss on the completion only (None: yes for prompt/completion data).
+        assistant_only_loss: loss on assistant turns only (conversational data).
+    """
+
+    learning_rate: float = field(default=2e-5, metadata={"help": "The initial learning rate for AdamW."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every X updates steps."})
+    bf16: bool | None = field(
+        default=None, metadata={"help": "bf16 mixed precision. None: on for CUDA with bf16, off on CPU."}
+    )
+    dataset_text_field: str = field(default="text", metadata={"help": "Column of plain-text datasets."})
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preparation."})
+    max_length: int | None = field(default=1024, metadata={"help": "Longest tokenized example / packed row length."})
+    overlong_policy: str = field(
+        default="truncate",
+        metadata={"help": "Examples longer than max_length: truncate (keep the start), drop, or error.",
+                  "choices": ["truncate", "drop", "error"]},
+    )
+    chat_template_path: str | None = field(default=None, metadata={"help": "Tokenizer dir or Jinja file."})
+    eos_token: str | None = field(default=None, metadata={"help": "End-of-turn token. None: the tokenizer's."})
+    pad_token: str | None = field(default=None, metadata={"help": "Padding token. None: the tokenizer's."})
+    packing: bool = field(default=False, metadata={"help": "Pack examples into rows of max_length."})
+    packing_strategy: str = field(
+        default="bfd", metadata={"help": "Dataset packing strategy (trl.pack_dataset).",
+                                 "choices": ["bfd", "wrapped"]},
+    )
+    padding_free: bool = field(default=False, metadata={"help": "Concatenate each batch into one row."})
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad batches to a multiple of this."})
+    completion_only_loss: bool | None = field(
+        default=None, metadata={"help": "Loss on completions only. None: yes for prompt/completion datasets."}
+    )
+    assistant_only_loss: bool = field(default=False, metadata={"help": "Loss on assistant turns only."})
+
+    def __post_init__(self):
+        self._resolve_device_defaults()
+        super().__post_init__()
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"SFTConfig.max_length must be >= 2, got {self.max_length}.")
+        if self.packing and self.max_length is None:
+            raise ValueError("SFTConfig: packing=True needs max_length (the packed row length).")
+

@@ -1,0 +1,427 @@
+"""Dataset formats, validation and tokenization (`hf_rlhf.data`), with a character-level test tokenizer."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+import string
+from types import SimpleNamespace
+
+import pytest
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, processors
+from transformers import PreTrainedTokenizerFast
+
+from hf_rlhf.data import (
+    DataValidationError,
+    detect_format,
+    ensure_pad_token,
+    prepare_sft_dataset,
+    resolve_chat_template,
+    validate_sft_dataset,
+)
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+# ChatML with the assistant content and its end-of-turn inside {% generation %} markers.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "<|im_start|>assistant\n{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}{{ '\\n' }}"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>{{ '\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PLAIN_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+def build_tokenizer(merges=(), bos=True, pad=True, chat_template=CHAT_TEMPLATE):
+    """Character-level BPE (plus `merges`) that prepends <s> by default, like Llama's tokenizer."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(string.printable))}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), unk_token="<unk>"))
+    tok.add_special_tokens(SPECIALS)
+    tok.decoder = decoders.Fuse()
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>" if pad else None, chat_template=chat_template)
+
+
+@pytest.fixture
+def tokenizer():
+    return build_tokenizer()
+
+
+def sft_args(**overrides):
+    args = dict(dataset_text_field="text", max_length=None, overlong_policy="truncate", chat_template_path=None,
+                eos_token=None, pad_token=None, completion_only_loss=None, assistant_only_loss=False,
+                packing=False, dataset_num_proc=None)
+    return SimpleNamespace(**{**args, **overrides})
+
+
+def masked_text(tokenizer, row, mask="completion_mask"):
+    ids = [t for t, m in zip(row["input_ids"], row[mask]) if m]
+    return tokenizer.decode(ids)
+
+
+def conv(user, assistant):
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Format detection
+
+
+@pytest.mark.parametrize(
+    "rows, expected",
+    [
+        ([{"text": "hello"}], "text"),
+        ([{"prompt": "a", "completion": "b"}], "prompt_completion"),
+        ([{"messages": conv("hi", "yo")}], "conversational"),
+        ([{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}],
+         "conversational_prompt_completion"),
+    ],
+)
+def test_detect_format(rows, expected):
+    assert detect_format(rows) == expected
+    assert detect_format(Dataset.from_list(rows)) == expected
+
+
+def test_detect_format_custom_text_field():
+    assert detect_format([{"body": "x"}], text_field="body") == "text"
+
+
+def test_detect_format_unknown_columns_names_found_and_expected():
+    with pytest.raises(DataValidationError) as err:
+        detect_format([{"question": "a", "answer": "b"}])
+    msg = str(err.value)
+    assert "'question'" in msg and "'answer'" in msg
+    assert "'messages'" in msg and "'prompt'" in msg and "'completion'" in msg and "'text'" in msg
+
+
+@pytest.mark.parametrize("empty", [[], Dataset.from_dict({"text": []})])
+def test_empty_dataset(empty):
+    with pytest.raises(DataValidationError, match="dataset is empty"):
+        detect_format(empty)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Row validation: each bad input names its row and field
+
+
+def test_error_message_format_and_attributes():
+    rows = [{"prompt": "p", "completion": "c"}] * 3 + [{"prompt": "p", "completion": ""}]
+    with pytest.raises(DataValidationError) as err:
+        validate_sft_dataset(rows, "prompt_completion")
+    assert str(err.value) == "row 3, field 'completion': expected a non-empty string, got ''"
+    assert (err.value.row, err.value.field, err.value.expected) == (3, "completion", "a non-empty string")
+
+
+def test_missing_field():
+    rows = [{"prompt": "p", "completion": "c"}, {"prompt": "p"}]
+    with pytest.raises(DataValidationError, match=r"row 1, field 'completion'.*missing"):
+        validate_sft_dataset(rows, "prompt_completion")
+
+
+def test_none_value():
+    ds = Dataset.from_dict({"prompt": ["p", "p", None], "completion": ["c", "c", "c"]})
+    with pytest.raises(DataValidationError, match=r"row 2, field 'prompt': expected a non-empty string, got None"):
+        validate_sft_dataset(ds, "prompt_completion")
+
+
+def test_empty_text():
+    with pytest.raises(DataValidationError, match=r"row 1, field 'body'.*got ''"):
+        validate_sft_dataset([{"body": "x"}, {"body": ""}], "text", text_field="body")
+
+
+def test_non_string_completion_in_dataset():
+    ds = Dataset.from_dict({"prompt": ["p", "q"], "completion": [1, 2]})
+    with pytest.raises(DataValidationError, match=r"row 0, field 'completion'.*got 1 \(int\)"):
+        validate_sft_dataset(ds, "prompt_completion")
+
+
+def test_non_string_message_content():
+    rows = [{"messages": conv("hi", "yo")}, {"messages": [{"role": "user", "content": "hi"},
+                                                          {"role": "assistant", "content": 5}]}]
+    with pytest.raises(DataValidationError, match=r"row 1, field 'messages\[1\]\.content': expected a string, got 5"):
+        validate_sft_dataset(rows, "conversational")
+
+
+def test_unknown_role():
+    rows = [{"messages": conv("hi", "yo")}] * 2 + [{"messages": [{"role": "bot", "content": "hi"}]}]
+    with pytest.raises(DataValidationError, match=r"row 2, field 'messages\[0\]\.role'.*'assistant'.*got 'bot'"):
+        validate_sft_dataset(rows, "conversational")
+
+
+def test_message_not_a_dict():
+    with pytest.raises(DataValidationError, match=r"row 0, field 'messages\[0\]': expected a message dict"):
+        validate_sft_dataset([{"messages": ["hello"]}], "conversational")
+
+
+def test_empty_messages_list():
+    rows = [{"messages": conv("hi", "yo")}, {"messages": []}]
+    with pytest.raises(DataValidationError, match=r"row 1, field 'messages': expected a non-empty list"):
+        validate_sft_dataset(rows, "conversational")
+
+
+def test_conversational_completion_without_assistant():
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "user", "content": "yo"}]}]
+    with pytest.raises(DataValidationError, match=r"row 0, field 'completion': expected at least one 'assistant'"):
+        validate_sft_dataset(rows, "conversational_prompt_completion")
+
+
+def test_conversational_prompt_that_is_a_string():
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "a"}]},
+            {"prompt": "hi", "completion": [{"role": "assistant", "content": "a"}]}]
+    with pytest.raises(DataValidationError, match=r"row 1, field 'prompt': expected a non-empty list"):
+        validate_sft_dataset(rows, "conversational_prompt_completion")
+
+
+def test_validation_runs_before_tokenization(tokenizer):
+    # the bad row is the last one: no row may be tokenized before it is found
+    rows = [{"prompt": "p", "completion": "c"}] * 5 + [{"prompt": "p", "completion": None}]
+    calls = []
+    tokenizer_call = type(tokenizer).__call__
+    type(tokenizer).__call__ = lambda self, *a, **k: calls.append(a) or tokenizer_call(self, *a, **k)
+    try:
+        with pytest.raises(DataValidationError, match="row 5, field 'completion'"):
+            prepare_sft_dataset(rows, tokenizer, sft_args())
+    finally:
+        type(tokenizer).__call__ = tokenizer_call
+    assert calls == []
+
+
+def test_error_pickles_for_worker_processes():
+    err = DataValidationError(4, "prompt", "a non-empty string", None)
+    again = pickle.loads(pickle.dumps(err))
+    assert str(again) == str(err) == "row 4, field 'prompt': expected a non-empty string, got None"
+    plain = pickle.loads(pickle.dumps(DataValidationError(1, "x", "y")))
+    assert str(plain) == "row 1, field 'x': expected y"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer set-up
+
+
+def test_no_pad_token_is_an_error_not_eos():
+    tok = build_tokenizer(pad=False)
+    with pytest.raises(ValueError, match="tokenizer has no pad token: set SFTConfig.pad_token"):
+        ensure_pad_token(tok, None)
+    assert tok.pad_token is None  # eos was not used silently
+
+
+def test_pad_token_from_config():
+    tok = build_tokenizer(pad=False)
+    ensure_pad_token(tok, "<unk>")
+    assert tok.pad_token == "<unk>" and tok.pad_token_id == tok.convert_tokens_to_ids("<unk>")
+    with pytest.raises(ValueError, match="not in the tokenizer's vocabulary"):
+        ensure_pad_token(tok, "<nope>")
+
+
+def test_resolve_chat_template_from_file_and_directory(tmp_path):
+    (tmp_path / "t.jinja").write_text(PLAIN_TEMPLATE)
+    tok = build_tokenizer(chat_template=None)
+    resolve_chat_template(tok, str(tmp_path / "t.jinja"))
+    assert tok.chat_template == PLAIN_TEMPLATE
+
+    build_tokenizer().save_pretrained(tmp_path / "tok")
+    resolve_chat_template(tok, str(tmp_path / "tok"))
+    assert tok.chat_template == CHAT_TEMPLATE
+    with pytest.raises(FileNotFoundError):
+        resolve_chat_template(tok, str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenization of the four formats
+
+
+def test_text_format_exact_ids(tokenizer):
+    out = prepare_sft_dataset([{"text": "hi"}, {"text": "yo</s>"}], tokenizer, sft_args())
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ["<s>", "h", "i", "</s>"]]
+    assert out[0]["input_ids"] == ids
+    assert out.column_names == ["input_ids"]
+    assert out[1]["input_ids"].count(tokenizer.eos_token_id) == 1  # eos already there: not doubled
+
+
+def test_prompt_completion_mask(tokenizer):
+    out = prepare_sft_dataset([{"prompt": "Q: 2+2?", "completion": " A: 4"}], tokenizer, sft_args())
+    row = out[0]
+    assert set(out.column_names) == {"input_ids", "completion_mask"}
+    assert row["input_ids"][0] == tokenizer.bos_token_id and row["input_ids"].count(tokenizer.bos_token_id) == 1
+    assert tokenizer.decode(row["input_ids"]) == "<s>Q: 2+2? A: 4</s>"
+    assert masked_text(tokenizer, row) == " A: 4</s>"
+    assert row["completion_mask"] == [0] * 8 + [1] * 6
+
+
+def test_prompt_completion_without_default_bos_and_custom_eos():
+    tok = build_tokenizer(bos=False)
+    out = prepare_sft_dataset([{"prompt": "ab", "completion": "cd"}], tok, sft_args(eos_token="<|im_end|>"))
+    assert tok.decode(out[0]["input_ids"]) == "abcd<|im_end|>"
+    assert masked_text(tok, out[0]) == "cd<|im_end|>"
+
+
+def test_prompt_completion_merged_across_boundary():
+    # "a" + "b" would merge into one "ab" token: prompt and completion are tokenized apart instead
+    tok = build_tokenizer(merges=[("a", "b")])
+    out = prepare_sft_dataset([{"prompt": "xa", "completion": "by"}, {"prompt": "ab", "completion": "c"}],
+                              tok, sft_args())
+    split, joint = out[0], out[1]
+    assert tok.convert_ids_to_tokens(split["input_ids"]) == ["<s>", "x", "a", "b", "y", "</s>"]
+    assert masked_text(tok, split) == "by</s>"
+    assert tok.convert_ids_to_tokens(joint["input_ids"]) == ["<s>", "ab", "c", "</s>"]
+    assert masked_text(tok, joint) == "c</s>"
+
+
+def test_conversational_assistant_masks(tokenizer):
+    rows = [{"messages": [{"role": "system", "content": "be brief"}, *conv("hi", "yo"), *conv("ok?", "ok")]}]
+    out = prepare_sft_dataset(rows, tokenizer, sft_args(assistant_only_loss=True))
+    row = out[0]
+    assert set(out.column_names) == {"input_ids", "assistant_masks"}
+    assert tokenizer.decode(row["input_ids"]) == tokenizer.apply_chat_template(rows[0]["messages"], tokenize=False)
+    assert masked_text(tokenizer, row, "assistant_masks") == "yo<|im_end|>ok<|im_end|>"
+    assert row["input_ids"].count(tokenizer.bos_token_id) == 1  # from the template only
+
+
+def test_conversational_without_assistant_only_loss(tokenizer):
+    out = prepare_sft_dataset([{"messages": conv("hi", "yo")}], tokenizer, sft_args())
+    assert out.column_names == ["input_ids"]
+
+
+def test_conversational_prompt_completion_mask(tokenizer):
+    rows = [{"prompt": [{"role": "user", "content": "capital of France?"}],
+             "completion": [{"role": "assistant", "content": "Paris"}]}]
+    out = prepare_sft_dataset(rows, tokenizer, sft_args(assistant_only_loss=True))
+    row = out[0]
+    assert masked_text(tokenizer, row) == "Paris<|im_end|>\n"
+    assert masked_text(tokenizer, row, "assistant_masks") == "Paris<|im_end|>"
+    prompt_text = tokenizer.apply_chat_template(rows[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode([t for t, m in zip(row["input_ids"], row["completion_mask"]) if not m]) == prompt_text
+
+
+def test_conversational_prompt_not_a_prefix(tokenizer):
+    # a template that renders the prompt differently when a completion follows
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}>>{% endif %}")
+    rows = [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}]
+    with pytest.raises(DataValidationError, match="row 0, field 'prompt'.*prefix"):
+        prepare_sft_dataset(rows, tokenizer, sft_args())
+
+
+def test_input_dataset_unchanged(tokenizer):
+    rows = [{"prompt": "Q", "completion": "A", "id": 7}]
+    before = copy.deepcopy(rows)
+    ds = Dataset.from_list(rows)
+    out = prepare_sft_dataset(ds, tokenizer, sft_args())
+    prepare_sft_dataset(rows, tokenizer, sft_args())
+    assert rows == before
+    assert ds.column_names == ["prompt", "completion", "id"] and ds.to_list() == before
+    assert set(out.column_names) == {"input_ids", "completion_mask"}
+
+
+def test_with_sft_config_and_two_processes(tokenizer, tmp_path):
+    from hf_rlhf.configs import SFTConfig
+
+    args = SFTConfig(output_dir=str(tmp_path), max_length=8, dataset_num_proc=2, report_to=[])
+    rows = [{"prompt": "p" * n, "completion": "c"} for n in range(1, 11)]
+    out, stats = prepare_sft_dataset(rows, tokenizer, args, return_stats=True)
+    # n + 3 tokens: p*6 is cut to "<s>pppppp c", p*7 .. p*10 keep no completion token
+    assert stats == {"n_rows": 10, "n_truncated": 1, "n_dropped": 4}
+    assert [sum(r["completion_mask"]) for r in out] == [2, 2, 2, 2, 2, 1] and max(map(len, out["input_ids"])) == 8
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chat template requirements
+
+
+def test_conversational_needs_chat_template():
+    tok = build_tokenizer(chat_template=None)
+    with pytest.raises(ValueError, match=r"dataset is conversational \('messages'\) but the tokenizer has no chat "
+                                         r"template; set SFTConfig.chat_template_path"):
+        prepare_sft_dataset([{"messages": conv("hi", "yo")}], tok, sft_args())
+
+
+def test_chat_template_path_is_applied_first(tmp_path):
+    (tmp_path / "t.jinja").write_text(CHAT_TEMPLATE)
+    tok = build_tokenizer(chat_template=None)
+    out = prepare_sft_dataset([{"messages": conv("hi", "yo")}], tok,
+                              sft_args(chat_template_path=str(tmp_path / "t.jinja"), assistant_only_loss=True))
+    assert masked_text(tok, out[0], "assistant_masks") == "yo<|im_end|>"
+
+
+def test_assistant_only_loss_needs_generation_markers():
+    tok = build_tokenizer(chat_template=PLAIN_TEMPLATE)
+    with pytest.raises(ValueError, match=r"\{% generation %\}.*no such markers"):
+        prepare_sft_dataset([{"messages": conv("hi", "yo")}], tok, sft_args(assistant_only_loss=True))
+
+
+def test_assistant_only_loss_all_zero_mask_names_row():
+    # markers exist but never wrap the assistant turn: caught per row
+    template = PLAIN_TEMPLATE + "{% if false %}{% generation %}x{% endgeneration %}{% endif %}"
+    tok = build_tokenizer(chat_template=template)
+    with pytest.raises(DataValidationError, match=r"row 0, field 'messages'.*generation"):
+        prepare_sft_dataset([{"messages": conv("hi", "yo")}], tok, sft_args(assistant_only_loss=True))
+
+
+def test_assistant_only_loss_needs_an_assistant_turn(tokenizer):
+    rows = [{"messages": conv("hi", "yo")}, {"messages": [{"role": "user", "content": "hi"}]}]
+    with pytest.raises(DataValidationError, match=r"row 1, field 'messages': expected at least one 'assistant'"):
+        prepare_sft_dataset(rows, tokenizer, sft_args(assistant_only_loss=True))
+
+
+def test_assistant_only_loss_on_plain_data(tokenizer):
+    with pytest.raises(ValueError, match="needs conversational data"):
+        prepare_sft_dataset([{"text": "x"}], tokenizer, sft_args(assistant_only_loss=True))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Over-long examples: <s> + prompt + completion + </s>
+
+
+OVERLONG_ROWS = [
+    {"prompt": "ab", "completion": "c"},       # 5 tokens
+    {"prompt": "abcd", "completion": "efg"},   # 9 tokens: truncated to 6, keeps "e"
+    {"prompt": "abcdefgh", "completion": "i"},  # 11 tokens: only prompt left after truncation
+]
+
+
+def test_overlong_truncate(tokenizer, caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_rlhf"):
+        out, stats = prepare_sft_dataset(OVERLONG_ROWS, tokenizer, sft_args(max_length=6), return_stats=True)
+    assert stats == {"n_rows": 3, "n_truncated": 1, "n_dropped": 1}
+    assert len(out) == 2
+    assert tokenizer.decode(out[1]["input_ids"]) == "<s>abcde" and masked_text(tokenizer, out[1]) == "e"
+    assert len(out[1]["completion_mask"]) == 6
+    assert "1 of 3 examples longer than max_length=6 were truncated" in caplog.text
+    assert "1 of 3 examples longer than max_length=6 were dropped" in caplog.text
+
+
+def test_overlong_drop(tokenizer, caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_rlhf"):
+        out, stats = prepare_sft_dataset(OVERLONG_ROWS, tokenizer, sft_args(max_length=6, overlong_policy="drop"),
+                                         return_stats=True)
+    assert stats == {"n_rows": 3, "n_truncated": 0, "n_dropped": 2}
+    assert tokenizer.decode(out["input_ids"][0]) == "<s>abc</s>" and len(out) == 1
+    assert "2 of 3 examples longer than max_length=6 were dropped" in caplog.text
+
+
+def test_overlong_error(tokenizer):
+    with pytest.raises(DataValidationError, match=r"row 1, field 'prompt\+completion': expected at most "
+                                                  r"max_length=6 tokens.*got 9 tokens"):
+        prepare_sft_dataset(OVERLONG_ROWS, tokenizer, sft_args(max_length=6, overlong_policy="error"))
+
+
+def test_no_max_length_keeps_everything(tokenizer):
+    out, stats = prepare_sft_dataset(OVERLONG_ROWS, tokenizer, sft_args(), return_stats=True)
+    assert stats == {"n_rows": 3, "n_truncated": 0, "n_dropped": 0}
+    assert [len(ids) for ids in out["input_ids"]] == [5, 9, 11]
+
+
+def test_truncate_text_keeps_start(tokenizer):
+    out = prepare_sft_dataset([{"text": "abcdefgh"}], tokenizer, sft_args(max_length=4))
+    assert tokenizer.decode(out[0]["input_ids"]) == "<s>abc"
