@@ -1,0 +1,32 @@
+"""An offline toy world for tests and recipe defaults: tasks with checkable answers, a locally
+trained character tokenizer and tiny randomly initialised Llama models."""
+
+from .models import build_toy_model, build_toy_reward_model, toy_model_config
+from .tasks import (
+    answer_for_prompt,
+    exact_match,
+    generate_completions,
+    is_correct,
+    make_tasks,
+    preference_dataset,
+    prompt_dataset,
+    reward_fn,
+    sft_dataset,
+)
+from .tokenizer import build_toy_tokenizer
+
+__all__ = [
+    "answer_for_prompt",
+    "build_toy_model",
+    "build_toy_reward_model",
+    "build_toy_tokenizer",
+    "exact_match",
+    "generate_completions",
+    "is_correct",
+    "make_tasks",
+    "preference_dataset",
+    "prompt_dataset",
+    "reward_fn",
+    "sft_dataset",
+    "toy_model_config",
+]

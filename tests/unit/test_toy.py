@@ -1,0 +1,217 @@
+"""The toy world: tasks, evaluator, tokenizer and tiny models."""
+
+import random
+
+import pytest
+import torch
+
+from hf_rlhf.toy import (
+    answer_for_prompt,
+    build_toy_model,
+    build_toy_reward_model,
+    build_toy_tokenizer,
+    exact_match,
+    generate_completions,
+    is_correct,
+    make_tasks,
+    preference_dataset,
+    prompt_dataset,
+    reward_fn,
+    sft_dataset,
+    toy_model_config,
+)
+from hf_rlhf.toy.tasks import FAMILIES, task_of, wrong_answer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_toy_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny(tok):
+    return build_toy_model(tok, "tiny", seed=0)
+
+
+# ---- tasks -------------------------------------------------------------------------------------
+
+
+def test_make_tasks_is_deterministic_by_seed():
+    assert make_tasks(50, seed=3) == make_tasks(50, seed=3)
+    assert make_tasks(50, seed=3) != make_tasks(50, seed=4)
+    assert make_tasks(20, seed=3) == make_tasks(50, seed=3)[:20]
+
+
+def test_splits_are_disjoint_and_cover_all_families():
+    train = {r["prompt"] for r in make_tasks(3000, split="train")}
+    test_rows = make_tasks(600, split="test")
+    assert not train & {r["prompt"] for r in test_rows}
+    assert {r["task"] for r in test_rows} == set(FAMILIES)
+    with pytest.raises(ValueError):
+        make_tasks(1, split="valid")
+
+
+def test_answer_for_prompt_agrees_with_make_tasks(tok):
+    for r in make_tasks(300, seed=1) + make_tasks(100, seed=1, split="test"):
+        assert answer_for_prompt(r["prompt"]) == r["answer"]
+        assert task_of(r["prompt"]) == r["task"]
+        conv = [{"role": "user", "content": r["prompt"]}]
+        assert answer_for_prompt(conv) == r["answer"]
+        # a prompt decoded from a rendered chat still yields its answer
+        assert answer_for_prompt(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)) == r["answer"]
+
+
+def test_prompts_and_answers_are_short(tok):
+    rows = make_tasks(500)
+    assert max(len(tok(r["prompt"])["input_ids"]) for r in rows) < 40
+    assert max(len(tok(r["answer"], add_special_tokens=False)["input_ids"]) for r in rows) <= 5
+
+
+@pytest.mark.parametrize(
+    "completion, ok",
+    [("82", True), (" 82 ", True), ("\n82\n", True), ("82<|eos|>", True), (" 82 <|eos|> ", True),
+     ("82<|eos|><|pad|><|pad|>", True), ("8 2", False), ("820", False), ("", False), ("82 83", False)],
+)
+def test_is_correct(completion, ok):
+    assert is_correct(completion, "82") is ok
+
+
+def test_reward_fn_with_and_without_answers():
+    prompts, completions = ["37+45=", "reverse abc=", "sort cab="], ["82", " cba<|eos|>", "acb"]
+    assert reward_fn(prompts, completions) == [1.0, 1.0, 0.0]
+    assert reward_fn(prompts, completions, ["81", "cba", "acb"]) == [0.0, 1.0, 1.0]
+    assert reward_fn(prompts, completions, answer=["82", "x", "acb"]) == [1.0, 0.0, 1.0]  # TRL style
+    conv_p = [[{"role": "user", "content": p}] for p in prompts]
+    conv_c = [[{"role": "assistant", "content": c}] for c in completions]
+    assert reward_fn(conv_p, conv_c) == [1.0, 1.0, 0.0]
+
+
+def test_wrong_answers_are_wrong_and_plausible():
+    rng = random.Random(0)
+    for r in make_tasks(600, seed=2):
+        wrong = wrong_answer(r["prompt"], r["answer"], rng)
+        assert wrong and wrong != r["answer"] and not is_correct(wrong, r["answer"])
+        if r["task"] in ("add", "sub", "max", "count"):
+            assert wrong.isdigit()
+
+
+def test_dataset_formats():
+    pc = sft_dataset(8, format="prompt_completion")
+    assert pc.column_names == ["prompt", "completion"]
+    assert all(answer_for_prompt(p) == c and "<|eos|>" not in c for p, c in zip(pc["prompt"], pc["completion"]))
+    text = sft_dataset(8, format="text")
+    assert text["text"] == [p + c for p, c in zip(pc["prompt"], pc["completion"])]
+    msgs = sft_dataset(8, format="messages")[0]["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant"] and msgs[0]["content"] == pc[0]["prompt"]
+    conv = sft_dataset(8, format="conversational_prompt_completion")[0]
+    assert conv["prompt"][0]["role"] == "user" and conv["completion"][0]["content"] == pc[0]["completion"]
+    with pytest.raises(ValueError):
+        sft_dataset(2, format="chatml")
+
+    pref = preference_dataset(50, seed=1)
+    assert pref.column_names == ["prompt", "chosen", "rejected"]
+    assert all(reward_fn(pref["prompt"], pref["chosen"]))
+    assert not any(reward_fn(pref["prompt"], pref["rejected"]))
+    assert preference_dataset(50, seed=1)["rejected"] == pref["rejected"]
+    conv_pref = preference_dataset(4, seed=1, conversational=True)[0]
+    assert conv_pref["chosen"] == [{"role": "assistant", "content": pref[0]["chosen"]}]
+
+    prompts = prompt_dataset(6, split="test", conversational=True)
+    assert prompts.column_names == ["prompt", "answer"] and prompts[0]["prompt"][0]["role"] == "user"
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------
+
+
+def test_tokenizer_special_tokens_and_digits(tok):
+    ids = [tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id]
+    assert len(set(ids)) == 4 and None not in ids
+    assert tok.padding_side == "right" and tok.model_max_length == 256 and len(tok) < 300
+    for d in "0123456789":
+        assert len(tok(d, add_special_tokens=False)["input_ids"]) == 1
+    assert tok("12+34=")["input_ids"][0] == tok.bos_token_id
+    assert tok.decode(tok("max 7 12=")["input_ids"], skip_special_tokens=True) == "max 7 12="
+    # prompt + completion tokenizes as prompt tokens followed by completion tokens
+    for r in make_tasks(50):
+        joint = tok(r["prompt"] + r["answer"])["input_ids"]
+        assert joint == tok(r["prompt"])["input_ids"] + tok(r["answer"], add_special_tokens=False)["input_ids"]
+
+
+def test_chat_template_assistant_mask(tok):
+    msgs = [{"role": "user", "content": "37+45="}, {"role": "assistant", "content": "82"}]
+    out = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    masked = [i for i, m in zip(ids, mask) if m]
+    assert masked == tok("82", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert mask[-len(masked) :] == [1] * len(masked) and sum(mask) == len(masked)
+    assert ids[0] == tok.bos_token_id
+    gen = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+    assert gen == "<|bos|><|user|>37+45=<|assistant|>"
+    assert tok.apply_chat_template(msgs, tokenize=False) == gen + "82<|eos|>"
+
+
+def test_tokenizer_save_and_reload(tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    saved = build_toy_tokenizer(str(tmp_path))
+    for loaded in (AutoTokenizer.from_pretrained(tmp_path), build_toy_tokenizer(str(tmp_path))):
+        assert loaded.chat_template == tok.chat_template
+        assert loaded.pad_token_id == tok.pad_token_id and loaded.padding_side == "right"
+        texts = ["reverse abc=cba", "7+8=15 é", "<|user|>x<|assistant|>"]
+        assert loaded(texts)["input_ids"] == saved(texts)["input_ids"] == tok(texts)["input_ids"]
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+
+def test_config_matches_tokenizer(tok):
+    for size in ("tiny", "small"):
+        cfg = toy_model_config(tok, size)
+        assert cfg.vocab_size == len(tok) and cfg.max_position_embeddings >= 256
+        assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (
+            tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    with pytest.raises(ValueError):
+        toy_model_config(tok, "huge")
+
+
+def test_model_forward_backward_and_seed(tok, tiny):
+    batch = tok(["12+34=46", "sort cab=abc"], return_tensors="pt", padding=True)
+    out = tiny(**batch, labels=batch["input_ids"])
+    assert out.logits.shape == (2, batch["input_ids"].shape[1], len(tok))
+    out.loss.backward()
+    assert tiny.dtype == torch.float32
+    same, other = build_toy_model(tok, seed=0), build_toy_model(tok, seed=1)
+    sd, sd1 = tiny.state_dict(), other.state_dict()
+    assert all(torch.equal(v, same.state_dict()[k]) for k, v in sd.items())
+    assert not torch.equal(sd["model.embed_tokens.weight"], sd1["model.embed_tokens.weight"])
+    tiny.zero_grad(set_to_none=True)
+
+
+def test_reward_model(tok):
+    rm = build_toy_reward_model(tok, seed=0)
+    assert rm.config.num_labels == 1 and rm.config.pad_token_id == tok.pad_token_id
+    batch = tok(["1+1=2", "12+34=46"], return_tensors="pt", padding=True)
+    scores = rm(**batch).logits
+    assert scores.shape == (2, 1)
+    # right padding must not change the score of the shorter row
+    alone = rm(**tok(["1+1=2"], return_tensors="pt")).logits
+    torch.testing.assert_close(scores[0], alone[0])
+
+
+def test_generate_completions_batched_equals_one_at_a_time(tok, tiny):
+    prompts = [r["prompt"] for r in make_tasks(6, seed=5, split="test")]
+    batched = generate_completions(tiny, tok, prompts, max_new_tokens=6, batch_size=6)
+    single = [generate_completions(tiny, tok, [p], max_new_tokens=6, batch_size=1)[0] for p in prompts]
+    assert batched == single
+    assert tok.padding_side == "right" and not any("<|" in c for c in batched)
+    conv = [[{"role": "user", "content": p}] for p in prompts[:3]]
+    conv_batched = generate_completions(tiny, tok, conv, max_new_tokens=4, batch_size=3)
+    assert conv_batched == [generate_completions(tiny, tok, [c], 4, 1)[0] for c in conv]
+
+
+def test_exact_match_is_a_fraction(tok, tiny):
+    acc = exact_match(tiny, tok, prompt_dataset(16, split="test"), batch_size=8)
+    assert isinstance(acc, float) and 0.0 <= acc <= 1.0
+    rows = make_tasks(8, split="test", families=["add"])
+    assert 0.0 <= exact_match(tiny, tok, [{"prompt": r["prompt"]} for r in rows]) <= 1.0
+    assert 0.0 <= exact_match(tiny, tok, prompt_dataset(4, conversational=True)) <= 1.0
