@@ -1,0 +1,135 @@
+"""Model loading: dtype, attention implementation, bitsandbytes 4/8-bit and LoRA through peft.
+
+Everything here is a thin layer over `from_pretrained`, `BitsAndBytesConfig`, `peft.LoraConfig`,
+`peft.prepare_model_for_kbit_training` and `peft.get_peft_model`: the same calls a user would write,
+driven by one `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from .configs import ModelConfig
+from .imports import require
+
+logger = logging.getLogger("hf_rlhf")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | None) -> torch.dtype | str | None:
+    """'auto' / None stay as they are (transformers decides); names map to torch dtypes."""
+    if name in (None, "auto"):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}.")
+    return _DTYPES[name]
+
+
+def quantization_config(model_config: ModelConfig):
+    """A `BitsAndBytesConfig` for 4/8-bit loading, or None. Needs the `qlora` extra."""
+    if not (model_config.load_in_4bit or model_config.load_in_8bit):
+        return None
+    require("bitsandbytes", "4/8-bit loading (QLoRA)")
+    from transformers import BitsAndBytesConfig
+
+    if model_config.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = model_config.bnb_4bit_compute_dtype
+    # bf16 matmuls are slow on most CPUs; fp32 compute keeps QLoRA usable there
+    compute_dtype = resolve_dtype(compute) if compute else (
+        torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    storage = resolve_dtype(model_config.bnb_4bit_quant_storage) if model_config.bnb_4bit_quant_storage else None
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=model_config.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=model_config.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=storage or torch.uint8,
+    )
+
+
+def lora_config(model_config: ModelConfig, task_type: str | None = None):
+    """A `peft.LoraConfig` from `ModelConfig`, or None when `use_peft` is off.
+
+    `lora_target_modules=None` adapts every linear layer except the output head (peft's "all-linear").
+    """
+    if not model_config.use_peft:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=model_config.lora_r,
+        lora_alpha=model_config.lora_alpha,
+        lora_dropout=model_config.lora_dropout,
+        target_modules=model_config.lora_target_modules or "all-linear",
+        modules_to_save=model_config.lora_modules_to_save,
+        task_type=task_type or model_config.lora_task_type,
+        use_rslora=model_config.use_rslora,
+        use_dora=model_config.use_dora,
+        bias="none",
+    )
+
+
+def _device_map(quantized: bool):
+    if not quantized:
+        return None
+    if torch.cuda.is_available():
+        from accelerate import PartialState
+
+        return {"": PartialState().local_process_index}
+    return {"": "cpu"}
+
+
+def load_model(model_config: ModelConfig, model_class=AutoModelForCausalLM, **kwargs) -> PreTrainedModel:
+    """`model_class.from_pretrained` with the dtype, attention and quantization of `model_config`.
+
+    Extra keyword arguments go to `from_pretrained` (e.g. `num_labels=1` for a reward model).
+    """
+    if model_config.model_name_or_path is None:
+        raise ValueError("ModelConfig.model_name_or_path is None: pass a hub id or a local path.")
+    quant = quantization_config(model_config)
+    init = dict(
+        revision=model_config.model_revision,
+        trust_remote_code=model_config.trust_remote_code,
+        attn_implementation=model_config.attn_implementation,
+        dtype=resolve_dtype(model_config.dtype),
+    )
+    if quant is not None:
+        init.update(quantization_config=quant, device_map=_device_map(True))
+    init.update(kwargs)
+    return model_class.from_pretrained(model_config.model_name_or_path, **init)
+
+
+def load_tokenizer(model_config: ModelConfig, padding_side: str = "right"):
+    return AutoTokenizer.from_pretrained(
+        model_config.model_name_or_path,
+        revision=model_config.model_revision,
+        trust_remote_code=model_config.trust_remote_code,
+        padding_side=padding_side,
+    )
+
+
+def is_quantized(model) -> bool:
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def apply_lora(model: PreTrainedModel, peft_config, gradient_checkpointing: bool = False):
+    """Wrap `model` with LoRA adapters (preparing a 4/8-bit base for k-bit training first).
+
+    `peft_config` is a `peft.LoraConfig` (or any peft config). A model that is already a
+    `PeftModel` is returned unchanged.
+    """
+    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+
+    if isinstance(model, PeftModel):
+        return model
+    if is_quantized(model):
+        # casts norms to fp32 and enables input grads so LoRA on a frozen 4-bit base gets gradients
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        model.enable_input_require_grads()
+    return get_peft_model(model, peft_config)

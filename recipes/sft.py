@@ -1,0 +1,96 @@
+"""Supervised fine-tuning recipe.
+
+    python recipes/sft.py                                   # the embedded toy task, end to end on a CPU
+    python recipes/sft.py --config recipes/configs/sft_toy_lora.yaml
+    accelerate launch recipes/sft.py --model_name_or_path Qwen/Qwen2.5-0.5B \
+        --dataset_name trl-lib/Capybara --use_peft --output_dir outputs/sft-qwen
+
+Options are the fields of `ScriptArguments` (below), `hf_rlhf.ModelConfig` and `hf_rlhf.SFTConfig`,
+on the command line or in a YAML file given with `--config` (command-line values win). Unknown
+options are errors. Writes the model (or adapter) and tokenizer to `output_dir`, and
+`<output_dir>/results.json` with the metrics before and after training.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from hf_rlhf import ModelConfig, SFTConfig, SFTTrainer
+from hf_rlhf.recipe_support import (
+    load_text_dataset, parse_recipe_args, prepare_toy_base, print_outputs, write_results,
+)
+
+TOY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "sft_toy.yaml")
+
+
+@dataclass
+class ScriptArguments:
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub dataset id, a local dataset directory, or a .json/.jsonl/.parquet "
+                                        "file. None: the embedded toy task."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
+    dataset_test_split: str | None = field(default="test", metadata={"help": "Held-out split (if present)."})
+    toy_train_size: int = field(default=20000, metadata={"help": "Toy task: training examples."})
+    toy_test_size: int = field(default=200, metadata={"help": "Toy task: held-out prompts for exact match."})
+    toy_format: str = field(
+        default="prompt_completion", metadata={
+            "help": "Toy task dataset format.",
+            "choices": ["prompt_completion", "text", "messages", "conversational_prompt_completion"]})
+    toy_model_size: str = field(default="small", metadata={"help": "Toy model size.", "choices": ["tiny", "small"]})
+    toy_seed: int = field(default=0, metadata={"help": "Seed of the toy data and the toy model's init."})
+
+
+def toy_exact_match(model, tokenizer, rows) -> dict:
+    from hf_rlhf.toy import exact_match
+
+    return {"exact_match": exact_match(model, tokenizer, rows)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    script_args, model_config, training_args = parse_recipe_args(
+        (ScriptArguments, ModelConfig, SFTConfig), argv, TOY_CONFIG)
+    toy = script_args.dataset_name is None
+
+    if model_config.model_name_or_path is None:
+        model, tokenizer = prepare_toy_base(model_config, training_args, script_args.toy_model_size,
+                                            script_args.toy_seed)
+    else:
+        from hf_rlhf.models import load_model, load_tokenizer
+
+        tokenizer = load_tokenizer(model_config)
+        model = load_model(model_config)
+
+    if toy:
+        from hf_rlhf.toy import prompt_dataset, sft_dataset
+
+        conversational = script_args.toy_format in ("messages", "conversational_prompt_completion")
+        train = sft_dataset(script_args.toy_train_size, seed=script_args.toy_seed, split="train",
+                            format=script_args.toy_format)
+        held_out = prompt_dataset(script_args.toy_test_size, seed=script_args.toy_seed, split="test",
+                                  conversational=conversational)
+        test = None
+    else:
+        train, test = load_text_dataset(script_args)
+        held_out = None
+
+    before = toy_exact_match(model, tokenizer, held_out) if toy else {}
+    trainer = SFTTrainer(model, args=training_args, train_dataset=train, eval_dataset=test,
+                         processing_class=tokenizer, model_config=model_config)
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+
+    after = toy_exact_match(trainer.accelerator.unwrap_model(trainer.model), tokenizer, held_out) if toy else {}
+    if test is not None:
+        after.update({k.removeprefix("eval_"): v for k, v in trainer.evaluate().items()})
+    results = {"before": before, "after": after, "train": train_result.metrics,
+               "task": "toy" if toy else script_args.dataset_name}
+    if trainer.is_world_process_zero():
+        write_results(training_args.output_dir, results)
+        print_outputs("SFT", training_args.output_dir, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""SFTTrainer end to end on the toy world: full, packed, LoRA (+ merge), QLoRA (bitsandbytes nf4)."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_rlhf import ModelConfig, SFTConfig, SFTTrainer
+from hf_rlhf.toy import build_toy_model, build_toy_tokenizer, sft_dataset
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_toy_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def train_rows():
+    return sft_dataset(256, seed=1, split="train")
+
+
+def make_args(tmp_path, **kw):
+    defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, learning_rate=3e-3,
+                    max_steps=12, logging_steps=4, save_strategy="no", report_to="none", max_length=64,
+                    seed=0, disable_tqdm=True, warmup_steps=0)
+    defaults.update(kw)
+    return SFTConfig(**defaults)
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_full_sft_learns_logs_and_saves(tmp_path, tokenizer, train_rows):
+    model = build_toy_model(tokenizer, "tiny", seed=0)
+    before = snapshot(model)
+    trainer = SFTTrainer(model, args=make_args(tmp_path), train_dataset=train_rows, processing_class=tokenizer)
+    trainer.train()
+    hist = losses(trainer)
+    assert hist[-1] < hist[0] - 0.3, hist
+    logged = trainer.state.log_history[0]
+    assert 0.0 <= logged["mean_token_accuracy"] <= 1.0 and logged["tokens_per_second"] > 0
+    assert logged["num_tokens"] > 0
+    after = snapshot(model)
+    assert all(not torch.equal(before[n], after[n]) for n in before)
+
+    trainer.save_model()
+    out = trainer.args.output_dir
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([tokenizer("1+2=")["input_ids"]])
+    model.eval()
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+
+
+def test_completion_only_loss_masks_the_prompt(tmp_path, tokenizer, train_rows):
+    trainer = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path, max_steps=1),
+                         train_dataset=train_rows, processing_class=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    for row, labels in zip(range(4), batch["labels"]):
+        mask = trainer.train_dataset[row]["completion_mask"]
+        n_prompt = mask.index(1)
+        assert (labels[:n_prompt] == -100).all()
+        assert (labels[n_prompt:len(mask)] != -100).all()
+
+
+@pytest.mark.parametrize("mode", ["packing", "padding_free"])
+def test_packed_batches_always_run_with_cache_off(tmp_path, tokenizer, train_rows, mode):
+    model = build_toy_model(tokenizer, "tiny")
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("use_cache")), with_kwargs=True)
+    trainer = SFTTrainer(model, args=make_args(tmp_path, max_steps=3, **{mode: True}),
+                         train_dataset=train_rows, processing_class=tokenizer)
+    model.config.use_cache = True  # a user (or a generate() call) turning the cache back on
+    trainer.train()
+    assert seen and all(v is False for v in seen), seen
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert "attention_mask" not in batch
+    # padding-free flattens the batch into one row; pre-packed rows stay rows on sdpa (PackingCollator(flatten=False))
+    rows = batch["input_ids"].shape[0]
+    assert (rows == 1) if mode == "padding_free" else (rows > 1), rows
+
+
+def test_padding_free_loss_equals_padded_loss(tmp_path, tokenizer, train_rows):
+    model = build_toy_model(tokenizer, "tiny").eval()
+    rows = train_rows.select(range(8))
+    results = []
+    for mode in ({}, {"padding_free": True}):
+        trainer = SFTTrainer(model, args=make_args(tmp_path, **mode), train_dataset=rows, processing_class=tokenizer)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+        with torch.no_grad():
+            results.append(trainer.compute_loss(model, batch).item())
+    assert abs(results[0] - results[1]) < 1e-5, results
+
+
+def test_lora_trains_only_adapters_saves_reloads_and_merges(tmp_path, tokenizer, train_rows):
+    from peft import PeftModel
+
+    from hf_rlhf.merge import merge_adapter
+
+    base_dir = str(tmp_path / "base")
+    build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    model_config = ModelConfig(model_name_or_path=base_dir, use_peft=True, lora_r=8, lora_alpha=16,
+                               lora_dropout=0.0)
+    trainer = SFTTrainer(base_dir, args=make_args(tmp_path, learning_rate=1e-2), train_dataset=train_rows,
+                         processing_class=tokenizer, model_config=model_config)
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    trainer.train()
+    hist = losses(trainer)
+    assert hist[-1] < hist[0], hist
+    trainer.save_model()
+    out = trainer.args.output_dir
+    assert os.path.isfile(os.path.join(out, "adapter_model.safetensors"))
+
+    ids = torch.tensor([tokenizer("12+7=")["input_ids"]])
+    trained = trainer.model.eval()
+    with torch.no_grad():
+        expected = trained(ids).logits
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out).eval()
+        torch.testing.assert_close(reloaded(ids).logits, expected)
+        merged_dir = str(tmp_path / "merged")
+        merge_adapter(out, merged_dir)
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+        torch.testing.assert_close(merged(ids).logits, expected, atol=1e-5, rtol=1e-5)
+        base_logits = AutoModelForCausalLM.from_pretrained(base_dir)(ids).logits
+        assert not torch.allclose(base_logits, expected, atol=1e-3)  # the adapter did change the model
+
+
+def test_merge_cli_writes_a_plain_model(tmp_path, tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    from hf_rlhf.merge import main
+
+    base_dir, adapter_dir, out = (str(tmp_path / d) for d in ("base", "adapter", "merged"))
+    build_toy_model(tokenizer, "tiny").save_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    peft_model.save_pretrained(adapter_dir)
+    main(["--adapter", adapter_dir, "--output", out])
+    assert os.path.isfile(os.path.join(out, "config.json"))
+    assert not os.path.exists(os.path.join(out, "adapter_config.json"))
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        main(["--adapter", base_dir, "--output", str(tmp_path / "bad")])
+    assert not os.path.exists(tmp_path / "bad")
+
+
+def test_qlora_nf4_double_quant_trains_saves_and_reloads(tmp_path, tokenizer, train_rows):
+    bnb = pytest.importorskip("bitsandbytes")
+    from peft import PeftModel
+
+    from hf_rlhf.models import load_model
+
+    base_dir = str(tmp_path / "base")
+    build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(base_dir)
+    model_config = ModelConfig(model_name_or_path=base_dir, use_peft=True, load_in_4bit=True,
+                               bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               lora_r=8, lora_alpha=16, lora_dropout=0.0)
+    trainer = SFTTrainer(base_dir, args=make_args(tmp_path, learning_rate=1e-2, optim="adamw_bnb_8bit"),
+                         train_dataset=train_rows, processing_class=tokenizer, model_config=model_config)
+    linears = [m for n, m in trainer.model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linears) >= 7 * 2  # q,k,v,o,gate,up,down in each of the tiny model's layers
+    assert all(m.weight.quant_state.nested for m in linears)
+    trainer.train()
+    hist = losses(trainer)
+    assert hist[-1] < hist[0], hist
+    trainer.save_model()
+
+    ids = torch.tensor([tokenizer("3+4=")["input_ids"]])
+    with torch.no_grad():
+        expected = trainer.model.eval()(ids).logits
+        reloaded = PeftModel.from_pretrained(load_model(model_config), trainer.args.output_dir).eval()
+        torch.testing.assert_close(reloaded(ids).logits, expected)
+
+
+def test_conversational_assistant_only_loss_trains(tmp_path, tokenizer):
+    rows = sft_dataset(128, seed=2, split="train", format="messages")
+    trainer = SFTTrainer(build_toy_model(tokenizer, "tiny"),
+                         args=make_args(tmp_path, assistant_only_loss=True, max_steps=6, logging_steps=2),
+                         train_dataset=rows, processing_class=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    for row, labels in enumerate(batch["labels"]):
+        mask = torch.tensor(trainer.train_dataset[row]["assistant_masks"])
+        n = len(mask)
+        assert ((labels[:n] != -100) == mask.bool()).all()
+    trainer.train()
+    hist = losses(trainer)
+    assert hist[-1] < hist[0]

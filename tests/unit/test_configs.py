@@ -1,0 +1,90 @@
+"""Configs: device defaults, validation, unknown options, and every recipe YAML loads."""
+
+import glob
+import importlib.util
+import os
+import sys
+
+import pytest
+import yaml
+
+from hf_rlhf import ModelConfig, SFTConfig
+from hf_rlhf.recipe_support import parse_recipe_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_cpu_defaults_turn_off_bf16_and_checkpointing(tmp_path):
+    args = SFTConfig(output_dir=str(tmp_path))
+    assert args.bf16 is False
+    assert args.activation_checkpointing is False
+
+
+def test_explicit_values_win(tmp_path):
+    args = SFTConfig(output_dir=str(tmp_path), activation_checkpointing=True)
+    assert args.activation_checkpointing is True
+
+
+def test_trl_option_names_and_defaults(tmp_path):
+    args = SFTConfig(output_dir=str(tmp_path))
+    for name in ("max_length", "packing", "packing_strategy", "padding_free", "completion_only_loss",
+                 "assistant_only_loss", "dataset_text_field", "chat_template_path", "eos_token", "pad_token"):
+        assert hasattr(args, name), name
+    assert args.learning_rate == 2e-5 and args.max_length == 1024
+
+
+def test_unknown_option_in_constructor_is_an_error(tmp_path):
+    with pytest.raises(TypeError, match="packign"):
+        SFTConfig(output_dir=str(tmp_path), packign=True)
+
+
+def test_unknown_option_on_command_line_is_an_error():
+    with pytest.raises(ValueError, match="packign"):
+        parse_recipe_args((ModelConfig, SFTConfig), ["--output_dir", "x", "--packign", "true"], "unused.yaml")
+
+
+def test_unknown_option_in_yaml_is_an_error(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("output_dir: x\nlearning_rat: 0.1\n")
+    with pytest.raises(ValueError, match="learning_rat"):
+        parse_recipe_args((ModelConfig, SFTConfig), ["--config", str(cfg)], "unused.yaml")
+
+
+def test_command_line_overrides_yaml(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("output_dir: x\nlearning_rate: 0.1\nmax_length: 64\n")
+    _, args = parse_recipe_args((ModelConfig, SFTConfig), ["--config", str(cfg), "--max_length", "32"], "u")
+    assert args.learning_rate == 0.1 and args.max_length == 32
+
+
+def test_model_config_validation():
+    with pytest.raises(ValueError, match="cannot both"):
+        ModelConfig(use_peft=True, load_in_4bit=True, load_in_8bit=True)
+    with pytest.raises(ValueError, match="use_peft"):
+        ModelConfig(load_in_4bit=True)
+    assert ModelConfig(use_bnb_nested_quant=True).bnb_4bit_use_double_quant is True
+    assert ModelConfig().attn_implementation == "sdpa"  # no flash-attn / CUDA here
+    with pytest.raises(ImportError, match="hf-rlhf\\[flash\\]"):
+        ModelConfig(attn_implementation="flash_attention_2")
+
+
+def test_packing_needs_max_length(tmp_path):
+    with pytest.raises(ValueError, match="max_length"):
+        SFTConfig(output_dir=str(tmp_path), packing=True, max_length=None)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "sft_*.yaml"))))
+def test_every_sft_recipe_yaml_loads(path):
+    with open(path) as f:
+        assert isinstance(yaml.safe_load(f), dict)
+    script_args, model_config, args = parse_recipe_args(
+        (load_recipe("sft").ScriptArguments, ModelConfig, SFTConfig), ["--config", path], "unused")
+    assert args.output_dir
+
+
+def load_recipe(name):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", os.path.join(ROOT, "recipes", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
