@@ -1,0 +1,154 @@
+"""Tensor helpers shared by every trainer: masked statistics and log-probabilities from logits.
+
+The one home for these helpers (torch only; no transformers, peft or bitsandbytes). A `mask` is
+any tensor broadcastable to `x` whose nonzero entries mark the positions to use; positions outside
+it never reach a result, so NaN or inf there (padding logits, say) cannot leak in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _keep(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x with masked-out positions set to 0, boolean mask expanded to x's shape)."""
+    keep = mask.bool().expand_as(x)
+    # torch.where rather than x * mask: 0 * nan = nan would leak padding garbage into the sums
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device)), keep
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """Sum of `x` over the positions where `mask` is nonzero.
+
+    Args:
+        x: (B, T), or any shape.
+        mask: broadcastable to `x`; nonzero = keep.
+        dim: dimension(s) to reduce; None reduces all of them.
+
+    Returns:
+        0-dim tensor if `dim` is None, else `x` with `dim` reduced.
+    """
+    kept, _ = _keep(x, mask)
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """Mean of `x` over the positions where `mask` is nonzero (as `trl.core.masked_mean`).
+
+    An empty mask (or an empty row, with `dim`) gives NaN, like the mean of an empty tensor, so the
+    mistake shows in the logs instead of passing as 0.
+
+    Args:
+        x: (B, T), or any shape.
+        mask: broadcastable to `x`; nonzero = keep.
+        dim: dimension(s) to reduce; None reduces all of them.
+
+    Returns:
+        0-dim tensor if `dim` is None, else `x` with `dim` reduced.
+    """
+    kept, keep = _keep(x, mask)
+    if dim is None:
+        return kept.sum() / keep.sum()
+    return kept.sum(dim) / keep.sum(dim)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `x` over all the positions where `mask` is nonzero (as `trl.core.masked_var`).
+
+    Args:
+        x: (B, T), or any shape.
+        mask: broadcastable to `x`; nonzero = keep.
+        unbiased: apply Bessel's correction n / (n - 1).
+
+    Returns:
+        0-dim tensor.
+
+    Raises:
+        ValueError: the mask keeps no element, or one element with `unbiased=True`.
+    """
+    n = int(mask.bool().expand_as(x).sum())  # one host sync; called once per rollout batch
+    if n < (2 if unbiased else 1):
+        raise ValueError(f"masked_var needs at least {2 if unbiased else 1} masked element(s), the mask keeps {n}")
+    centered = x - masked_mean(x, mask)
+    var = masked_mean(centered * centered, mask)
+    return var * (n / (n - 1)) if unbiased else var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise `x` to mean 0 and variance 1 over the masked positions (as `trl.core.masked_whiten`).
+
+    Statistics use the masked positions only (unbiased variance); positions outside the mask are
+    set to 0 in the result, so padding never carries a value into a loss.
+
+    Args:
+        x: (B, T), or any shape.
+        mask: broadcastable to `x`; nonzero = keep.
+        shift_mean: if False, the mean is added back (scale only), as TRL does for rewards.
+        eps: added to the variance before the square root.
+
+    Returns:
+        Tensor of the shape of `x`.
+    """
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return _keep(whitened, mask)[0]
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label under the softmax of the logits: log_softmax(logits).gather(labels).
+
+    Computed as logit[label] - logsumexp(logits), one row of the batch at a time and in float32,
+    so the peak extra memory is one (T, V) float32 row instead of a (B, T, V) log_softmax (the
+    trick of `trl.trainer.utils.selective_log_softmax`).
+
+    Args:
+        logits: (B, T, V); any float dtype.
+        labels: (B, T) token ids in [0, V); mask padding yourself (a -100 would fail to gather).
+
+    Returns:
+        (B, T) in float32 (float64 if the logits are float64).
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    out = []
+    for row_logits, row_labels in zip(logits, labels):
+        row = row_logits.to(dtype)
+        out.append(row.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(row, dim=-1))
+    return torch.stack(out)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax of the logits at each position: logsumexp(z) - Σ softmax(z)·z.
+
+    One row of the batch at a time in float32, as `logprobs_from_logits`.
+
+    Args:
+        logits: (B, T, V).
+
+    Returns:
+        (B, T) in float32 (float64 if the logits are float64), in nats.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    out = []
+    for row_logits in logits:
+        row = row_logits.to(dtype)
+        out.append(torch.logsumexp(row, dim=-1) - (torch.softmax(row, dim=-1) * row).sum(-1))
+    return torch.stack(out)
+
+
+def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
+    """Index of the first True of each row, or the row length T if there is none (as TRL's helper).
+
+    Used to truncate responses after the first stop token.
+
+    Args:
+        bools: (B, T) boolean.
+
+    Returns:
+        (B,) long.
+    """
+    length = bools.size(-1)
+    positions = torch.arange(length, device=bools.device)
+    # False positions become T, True positions keep their index; the min is the first True (or T)
+    return torch.where(bools.bool(), positions, length).min(dim=-1).values

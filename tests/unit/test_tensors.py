@@ -1,0 +1,132 @@
+"""Masked statistics, log-probabilities and entropy from logits (`hf_rlhf.tensors`), against hand values."""
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import hf_rlhf
+from hf_rlhf.tensors import (
+    entropy_from_logits,
+    first_true_indices,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+
+X = torch.tensor([1.0, 2.0, 3.0, 100.0])
+MASK = torch.tensor([1, 1, 1, 0])
+
+
+def test_masked_mean_sum_var_by_hand():
+    assert_close(masked_mean(X, MASK), torch.tensor(2.0))
+    assert_close(masked_sum(X, MASK), torch.tensor(6.0))
+    assert_close(masked_var(X, MASK), torch.tensor(1.0))  # ((-1)² + 0² + 1²) / (3 - 1)
+    assert_close(masked_var(X, MASK, unbiased=False), torch.tensor(2.0 / 3.0))
+
+
+def test_masked_reductions_along_a_dim():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert_close(masked_mean(x, mask, dim=1), torch.tensor([1.5, 5.0]))
+    assert_close(masked_sum(x, mask, dim=1), torch.tensor([3.0, 15.0]))
+    assert_close(masked_mean(x, mask, dim=0), torch.tensor([2.5, 3.5, 6.0]))
+
+
+def test_bool_and_float_masks_agree_and_padding_garbage_never_leaks():
+    x = torch.tensor([1.0, 2.0, 3.0, float("nan")])
+    for mask in (MASK.bool(), MASK.float()):
+        assert_close(masked_mean(x, mask), torch.tensor(2.0))
+        assert_close(masked_var(x, mask), torch.tensor(1.0))
+        whitened = masked_whiten(x, mask)
+        assert torch.isfinite(whitened).all() and whitened[3] == 0
+
+
+def test_empty_mask_mean_is_nan_and_var_needs_enough_elements():
+    assert masked_mean(X, torch.zeros(4)).isnan()
+    with pytest.raises(ValueError, match="at least 2"):
+        masked_var(X, torch.tensor([1, 0, 0, 0]))
+    with pytest.raises(ValueError, match="keeps 0"):
+        masked_var(X, torch.zeros(4), unbiased=False)
+
+
+def test_masked_whiten_by_hand():
+    # mean 2, unbiased var 1 -> (x - 2) / 1 on the mask, 0 outside
+    assert_close(masked_whiten(X, MASK), torch.tensor([-1.0, 0.0, 1.0, 0.0]))
+    assert_close(masked_whiten(X, MASK, shift_mean=False), torch.tensor([1.0, 2.0, 3.0, 0.0]))
+
+
+def test_masked_whiten_gives_mean_0_var_1_over_the_mask():
+    torch.manual_seed(0)
+    x = torch.randn(4, 7, dtype=torch.float64) * 3 + 5
+    mask = torch.rand(4, 7) > 0.3
+    whitened = masked_whiten(x, mask)
+    assert_close(masked_mean(whitened, mask), torch.tensor(0.0, dtype=torch.float64))
+    assert_close(masked_var(whitened, mask), torch.tensor(1.0, dtype=torch.float64))
+    assert (whitened[~mask] == 0).all()
+    scaled = masked_whiten(x, mask, shift_mean=False)  # scale only: the mean is kept
+    assert_close(masked_mean(scaled, mask), masked_mean(x, mask))
+
+
+def test_logprobs_equal_log_softmax_gather_and_minus_cross_entropy():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 5, 11), torch.randint(0, 11, (3, 5))
+    logprobs = logprobs_from_logits(logits, labels)
+    assert logprobs.shape == (3, 5)
+    assert_close(logprobs, logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1))
+    assert_close(logprobs, -F.cross_entropy(logits.transpose(1, 2), labels, reduction="none"))
+    # and its gradient, since the policy loss backpropagates through it
+    leaf = logits.clone().requires_grad_()
+    logprobs_from_logits(leaf, labels).sum().backward()
+    assert_close(leaf.grad, torch.autograd.grad(logits.requires_grad_().log_softmax(-1).gather(
+        -1, labels.unsqueeze(-1)).sum(), logits)[0])
+
+
+def test_logprobs_by_hand_and_dtypes():
+    logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
+    assert_close(logprobs_from_logits(logits, torch.tensor([[1]])), torch.tensor([[math.log(0.25)]]))
+    assert logprobs_from_logits(logits.double(), torch.tensor([[1]])).dtype == torch.float64
+    # low precision logits are upcast: the result is float32 and matches float32 maths on the same inputs
+    torch.manual_seed(0)
+    low, labels = torch.randn(2, 4, 50).bfloat16() * 10, torch.randint(0, 50, (2, 4))
+    out = logprobs_from_logits(low, labels)
+    assert out.dtype == torch.float32
+    assert_close(out, logprobs_from_logits(low.float(), labels))
+
+
+def test_entropy_uniform_is_log_v_and_matches_definition():
+    assert_close(entropy_from_logits(torch.zeros(2, 3, 7)), torch.full((2, 3), math.log(7)))
+    peaked = torch.tensor([[[100.0, 0.0, 0.0]]])
+    assert_close(entropy_from_logits(peaked), torch.zeros(1, 1), atol=1e-6, rtol=0)
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 9, dtype=torch.float64)
+    p = logits.softmax(-1)
+    assert_close(entropy_from_logits(logits), -(p * p.log()).sum(-1))
+
+
+def test_first_true_indices():
+    bools = torch.tensor([[False, True, False, True], [False, False, False, False], [True, False, False, False]])
+    assert first_true_indices(bools).tolist() == [1, 4, 0]
+
+
+def test_pure_math_imports_torch_only():
+    # read the imports rather than import in a subprocess: a second `import torch` would cost seconds
+    package = Path(hf_rlhf.__file__).parent
+    allowed = {"__future__", "math", "torch", "hf_rlhf"}
+    for path in [package / "tensors.py", *sorted((package / "ppo").glob("*.py"))]:
+        if path.name == "rollout.py":  # the rollout drives models; only the math must stay light
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if node.level == 0 else []
+            else:
+                continue
+            assert {name.split(".")[0] for name in names} <= allowed, f"{path.name} imports {names}"
