@@ -196,6 +196,57 @@ def test_packing_errors():
         PackingCollator(assistant_only_loss=True)([{"input_ids": [1, 2]}])
 
 
+def test_packing_unflattened_keeps_one_row_per_feature():
+    collator = PackingCollator(flatten=False, pad_token_id=0)
+    batch = collator(
+        [
+            {"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [3, 2]},
+            {"input_ids": [6, 7], "seq_lengths": [2]},
+            {"input_ids": [8, 9, 10]},  # a plain example is a row of its own
+        ]
+    )
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    # shorter rows end in one dummy sequence: pad tokens, labels -100, positions restarting at 0
+    assert_close(batch["input_ids"], tensor([[1, 2, 3, 4, 5], [6, 7, 0, 0, 0], [8, 9, 10, 0, 0]]))
+    assert_close(batch["position_ids"], tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2], [0, 1, 2, 0, 1]]))
+    assert_close(
+        batch["labels"],
+        tensor([[-100, 2, 3, -100, 5], [-100, 7, -100, -100, -100], [-100, 9, 10, -100, -100]]),
+    )
+
+
+def test_packing_unflattened_pad_to_multiple_of():
+    batch = PackingCollator(flatten=False, pad_to_multiple_of=4, pad_token_id=9)(
+        [{"input_ids": [1, 2, 3, 4], "seq_lengths": [2, 2]}, {"input_ids": [5, 6, 7]}]
+    )
+    assert_close(batch["input_ids"], tensor([[1, 2, 3, 4], [5, 6, 7, 9]]))
+    assert_close(batch["position_ids"], tensor([[0, 1, 0, 1], [0, 1, 2, 0]]))
+    assert_close(batch["labels"], tensor([[-100, 2, -100, 4], [-100, 6, 7, -100]]))
+
+
+def test_packing_unflattened_holds_the_flattened_tokens():
+    features = [
+        {"input_ids": [1, 2, 3, 4, 5, 6], "completion_mask": [0, 1, 1, 0, 1, 1], "seq_lengths": [3, 3]},
+        {"input_ids": [7, 8], "completion_mask": [0, 1], "seq_lengths": [2]},
+    ]
+    flat = PackingCollator()(features)
+    rows = PackingCollator(flatten=False)(features)
+    real = torch.tensor([[True] * 6, [True] * 2 + [False] * 4])
+    for key in ("input_ids", "labels", "position_ids"):
+        assert_close(rows[key][real], flat[key][0])
+
+
+def test_packing_unflattened_does_not_change_features():
+    features = [{"input_ids": [1, 2, 3]}, {"input_ids": [4]}]
+    PackingCollator(flatten=False, pad_to_multiple_of=8)(features)
+    assert features == [{"input_ids": [1, 2, 3]}, {"input_ids": [4]}]
+
+
+def test_packing_flash_kwargs_need_flatten():
+    with pytest.raises(ValueError, match="set flatten=True"):
+        PackingCollator(flatten=False, return_flash_attention_kwargs=True)
+
+
 def test_packing_and_padding_share_label_rules():
     features = [
         {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 1, 1, 1], "assistant_masks": [1, 1, 0, 1]},
