@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _LAZY = {
+    "AdaptiveKLController": "hf_rlhf.ppo.kl",
+    "FixedKLController": "hf_rlhf.ppo.kl",
     "ModelConfig": "hf_rlhf.configs",
+    "PPOConfig": "hf_rlhf.ppo.config",
+    "PPOTrainer": "hf_rlhf.trainers.ppo",
+    "RewardConfig": "hf_rlhf.configs",
+    "RewardTrainer": "hf_rlhf.trainers.reward",
     "SFTConfig": "hf_rlhf.configs",
     "SFTTrainer": "hf_rlhf.trainers.sft",
 }
@@ -30,5 +36,9 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .configs import ModelConfig, SFTConfig
+    from .configs import ModelConfig, RewardConfig, SFTConfig
+    from .ppo.config import PPOConfig
+    from .ppo.kl import AdaptiveKLController, FixedKLController
+    from .trainers.ppo import PPOTrainer
+    from .trainers.reward import RewardTrainer
     from .trainers.sft import SFTTrainer

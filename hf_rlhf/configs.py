@@ -109,6 +109,8 @@ class DeviceDefaultsMixin:
             self.bf16 = (not self.fp16) and _cuda_bf16() and not self.use_cpu
         if self.gradient_checkpointing is None and self.activation_checkpointing is None:
             self.activation_checkpointing = _cuda_available() and not self.use_cpu
+        if not _cuda_available():
+            self.dataloader_pin_memory = False  # pinning needs an accelerator; torch warns otherwise
 
 
 @dataclass
@@ -167,3 +169,80 @@ class SFTConfig(DeviceDefaultsMixin, TrainingArguments):
         if self.packing and self.max_length is None:
             raise ValueError("SFTConfig: packing=True needs max_length (the packed row length).")
 
+
+
+@dataclass
+class RewardConfig(DeviceDefaultsMixin, TrainingArguments):
+    """Pairwise reward-model training options (a `TrainingArguments`).
+
+    Data:
+        max_length: longest tokenized chosen or rejected sequence.
+        overlong_policy: a pair with a side longer than `max_length`: `drop` (the default, as TRL filters such
+            pairs), `truncate` (keep the start of both; a pair whose truncated sides are identical is dropped, as
+            the cut removed every token where they differ), or `error`. The number affected is logged.
+        use_margin: use the dataset's `margin` column in the loss. None: when the column is there.
+        dataset_num_proc, eos_token, pad_token, chat_template_path: as in `SFTConfig`.
+    Batches:
+        padding_side: `right` or `left` padding of padded batches (rewards are read at each sequence's last real
+            token either way).
+        padding_free: flatten each batch of pairs into one row (restarted `position_ids`, no padding); rewards are
+            gathered at each sequence's own last token. Pays off with flash attention.
+        prefix_sharing: run each pair as one row [shared prefix | chosen tail | rejected tail] whose rejected
+            tail cannot see the chosen tail (a 4D mask), so the prompt is computed once per pair instead of twice.
+            Same rewards as the padded path; needs `sdpa` or `eager` attention.
+        pad_to_multiple_of: round padded lengths (or the packed row) up to a multiple of this.
+    Loss:
+        center_rewards_coefficient: weight of mean((r_chosen + r_rejected)^2), which pulls rewards towards zero
+            mean (Eisenstein et al. 2023, https://huggingface.co/papers/2312.09244, Eq. 2). TRL recommends 0.01.
+        disable_dropout: turn dropout off in the model (as TRL does).
+    For PPO:
+        store_reward_stats: after `train()`, compute the mean and std of the rewards of the train set's chosen and
+            rejected sequences and store them as `config.reward_mean` / `config.reward_std` (written with the
+            model, and to `reward_stats.json`), so that a PPO run can normalise scores.
+    """
+
+    learning_rate: float = field(default=1e-4, metadata={"help": "The initial learning rate for AdamW."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every X updates steps."})
+    bf16: bool | None = field(
+        default=None, metadata={"help": "bf16 mixed precision. None: on for CUDA with bf16, off on CPU."}
+    )
+    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
+    chat_template_path: str | None = field(default=None, metadata={"help": "Tokenizer dir or Jinja file."})
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preparation."})
+    eos_token: str | None = field(default=None, metadata={"help": "End-of-sequence token. None: the tokenizer's."})
+    pad_token: str | None = field(default=None, metadata={"help": "Padding token. None: the tokenizer's."})
+    max_length: int | None = field(default=1024, metadata={"help": "Longest tokenized chosen or rejected sequence."})
+    overlong_policy: str = field(
+        default="drop",
+        metadata={"help": "Pairs with a side longer than max_length: drop, truncate (keep the start; pairs left "
+                          "identical are dropped), or error.", "choices": ["truncate", "drop", "error"]},
+    )
+    use_margin: bool | None = field(
+        default=None, metadata={"help": "Use the 'margin' column in the loss. None: when the dataset has one."}
+    )
+    padding_side: str = field(
+        default="right", metadata={"help": "Padding side of padded batches.", "choices": ["right", "left"]}
+    )
+    padding_free: bool = field(default=False, metadata={"help": "Flatten each batch of pairs into one row."})
+    prefix_sharing: bool = field(
+        default=False, metadata={"help": "Compute the prefix chosen and rejected share once per pair (sdpa/eager)."}
+    )
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad batches to a multiple of this."})
+    center_rewards_coefficient: float | None = field(
+        default=None, metadata={"help": "Weight of mean((r_chosen + r_rejected)^2). Recommended: 0.01."}
+    )
+    store_reward_stats: bool = field(
+        default=False, metadata={"help": "After training, store the train set's reward mean/std in the model config."}
+    )
+
+    def __post_init__(self):
+        self._resolve_device_defaults()
+        super().__post_init__()
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"RewardConfig.max_length must be >= 2, got {self.max_length}.")
+        if self.padding_free and self.prefix_sharing:
+            raise ValueError("RewardConfig: padding_free and prefix_sharing are two different batch layouts; "
+                             "choose one.")
+        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
+            raise ValueError(f"RewardConfig.center_rewards_coefficient must be >= 0, got "
+                             f"{self.center_rewards_coefficient}.")

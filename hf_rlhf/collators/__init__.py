@@ -2,5 +2,8 @@
 
 from .packing import PackingCollator, position_ids_from_lengths
 from .padding import LeftPaddingCollator, PaddingCollator
+from .pairwise import PairwiseCollator
 
-__all__ = ["LeftPaddingCollator", "PackingCollator", "PaddingCollator", "position_ids_from_lengths"]
+__all__ = [
+    "LeftPaddingCollator", "PackingCollator", "PaddingCollator", "PairwiseCollator", "position_ids_from_lengths",
+]

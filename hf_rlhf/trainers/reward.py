@@ -1,0 +1,259 @@
+"""RewardTrainer: pairwise reward modelling as a thin `transformers.Trainer` subclass.
+
+What it adds to `Trainer`: model setup (a path loaded as `AutoModelForSequenceClassification(num_labels=1)`,
+a ready sequence-classification model or `ValueHeadModel`, LoRA / QLoRA through peft with the head trained
+and saved with the adapter), preference-pair validation and tokenization (`hf_rlhf.preference_data`), the
+`PairwiseCollator` (padded, padding-free or prefix-shared), and:
+
+- `compute_loss`: one forward over chosen‖rejected (2B sequences), each reward read at its sequence's last
+  real token, then `losses.pairwise_reward_loss` (margin, centering); logs accuracy, margin and the mean
+  chosen / rejected reward.
+- `prediction_step`: returns the rewards as (B, 2) predictions [chosen, rejected] with labels 0 (the index of
+  the preferred column), so `evaluate()` reports `eval_accuracy` and a user's `compute_metrics` sees rewards.
+- `compute_reward_stats`: mean / std of the rewards over a dataset, stored in the model config for PPO.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
+
+from ..collators import PairwiseCollator
+from ..configs import ModelConfig, RewardConfig
+from ..data import ensure_pad_token
+from ..losses import pairwise_metric_sums, pairwise_metrics_from_sums, pairwise_reward_loss
+from ..models import apply_lora, load_model, lora_config
+from ..preference_data import prepare_preference_dataset
+from ..reward_models import (
+    ValueHeadModel,
+    disable_dropout,
+    find_score_head,
+    gather_last_token_scores,
+    load_reward_stats,
+    reward_config_of,
+    save_reward_stats,
+    set_reward_stats,
+    token_scores,
+)
+
+logger = logging.getLogger("hf_rlhf")
+
+_FEATURE_COLUMNS = ["chosen_ids", "rejected_ids", "margin"]
+_LOSS_ONLY_KEYS = ("margin", "last_token_index")  # batch keys the model does not take
+
+
+def with_pairwise_metrics(compute_metrics=None):
+    """`compute_metrics` for (N, 2) reward predictions: accuracy, margin, mean chosen / rejected reward,
+    updated with the user's own `compute_metrics(eval_pred)` when given."""
+
+    def compute(eval_pred) -> dict:
+        rewards = torch.as_tensor(eval_pred.predictions).reshape(-1, 2)
+        metrics = pairwise_metrics_from_sums(pairwise_metric_sums(rewards[:, 0], rewards[:, 1]))
+        if compute_metrics is not None:
+            metrics.update(compute_metrics(eval_pred))
+        return metrics
+
+    return compute
+
+
+class RewardTrainer(Trainer):
+    """Train a reward model on preference pairs (`chosen` / `rejected`, optional `prompt` and `margin`).
+
+    Args:
+        model: a hub id or local path (loaded as a sequence-classification model with one label, through
+            `model_config`), a sequence-classification `PreTrainedModel`, a `ValueHeadModel`, or a `PeftModel`.
+        args: a `RewardConfig`.
+        train_dataset / eval_dataset: preference rows in any supported format (see `hf_rlhf.preference_data`),
+            or tokenized rows (`chosen_ids`, `rejected_ids`); eval: also a dict of them.
+        processing_class: the tokenizer. Default: loaded from the model's path.
+        peft_config: a `peft.LoraConfig`; default: built from `model_config` when `use_peft` is set.
+        model_config: how to load `model` when it is a string, and the LoRA / QLoRA options.
+        compute_metrics: extra evaluation metrics from an `EvalPrediction` whose `predictions` are (N, 2)
+            rewards [chosen, rejected]; accuracy, margin and the mean rewards are always reported.
+
+    Example:
+        >>> trainer = RewardTrainer("path/to/sft-model", args=RewardConfig(output_dir="rm"),
+        ...                         train_dataset=pairs, model_config=ModelConfig(use_peft=True))
+        >>> trainer.train()
+    """
+
+    loss_is_scaled_for_ga = False  # the loss is a mean over the batch's pairs; the Trainer divides by GA steps
+
+    def __init__(self, model, args: RewardConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, data_collator=None, peft_config=None,
+                 model_config: ModelConfig | None = None, compute_metrics=None, callbacks=None, **kwargs):
+        args = args if args is not None else RewardConfig(output_dir="reward-output")
+        if not isinstance(args, RewardConfig):
+            raise TypeError(f"args must be a RewardConfig, got {type(args).__name__}.")
+        model, model_config = self._load(model, model_config)
+        find_score_head(model)  # a model that cannot give one reward per sequence fails here, not mid-training
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(reward_config_of(model)._name_or_path)
+        if args.pad_token is not None or not args.padding_free:
+            ensure_pad_token(processing_class, args.pad_token)
+        reward_config_of(model).pad_token_id = processing_class.pad_token_id
+        self._check_layout(model, args)
+
+        if peft_config is None and model_config is not None:
+            peft_config = lora_config(model_config, task_type="CAUSAL_LM" if isinstance(model, ValueHeadModel)
+                                      else "SEQ_CLS")  # SEQ_CLS: peft trains and saves `score` with the adapter
+        if peft_config is not None:
+            checkpointing = bool(args.activation_checkpointing)
+            if isinstance(model, ValueHeadModel):  # the head stays outside the adapter, trained in full
+                model.pretrained_model = apply_lora(model.pretrained_model, peft_config, checkpointing)
+            else:
+                model = apply_lora(model, peft_config, checkpointing)
+        if args.disable_dropout:
+            disable_dropout(model)
+
+        train_dataset = self._prepare(train_dataset, processing_class, args, "train")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: self._prepare(v, processing_class, args, f"eval[{k}]") for k, v in eval_dataset.items()}
+        else:
+            eval_dataset = self._prepare(eval_dataset, processing_class, args, "eval")
+        if data_collator is None:
+            attn = getattr(reward_config_of(model), "_attn_implementation", None) or ""
+            data_collator = PairwiseCollator(
+                processing_class.pad_token_id if processing_class.pad_token_id is not None else 0,
+                padding_side=args.padding_side, padding_free=args.padding_free, prefix_sharing=args.prefix_sharing,
+                pad_to_multiple_of=args.pad_to_multiple_of,
+                return_flash_attention_kwargs=args.padding_free and attn.startswith("flash_attention"))
+        if not args.batch_eval_metrics:
+            compute_metrics = with_pairwise_metrics(compute_metrics)
+
+        super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, data_collator=data_collator,
+                         compute_metrics=compute_metrics, callbacks=callbacks, **kwargs)
+        self.label_names = []  # no labels: prediction_step makes its own
+        self._score_head = find_score_head(self.model)  # after peft: the wrapped head
+        self._eager = getattr(reward_config_of(self.model), "_attn_implementation", None) == "eager"
+        self._metric_sums = None
+
+    # -- setup ---------------------------------------------------------------------------------
+    @staticmethod
+    def _load(model, model_config):
+        if isinstance(model, str):
+            if model_config is None:
+                model_config = ModelConfig(model_name_or_path=model)
+            elif model_config.model_name_or_path is None:
+                model_config.model_name_or_path = model
+            model = load_model(model_config, AutoModelForSequenceClassification, num_labels=1)
+        elif not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a path, a PreTrainedModel, a ValueHeadModel or a PeftModel, got "
+                            f"{type(model).__name__}.")
+        elif model_config is not None and (model_config.load_in_4bit or model_config.load_in_8bit):
+            raise ValueError("model_config asks for 4/8-bit loading, but the model is already built; "
+                             "load it quantized yourself or pass the model as a path.")
+        return model, model_config
+
+    @staticmethod
+    def _check_layout(model, args):
+        attn = getattr(reward_config_of(model), "_attn_implementation", None)
+        if args.prefix_sharing and attn not in ("sdpa", "eager"):
+            raise ValueError(f"prefix_sharing needs a custom attention mask, which {attn!r} attention does not "
+                             "take; use attn_implementation='sdpa' or 'eager', or padding_free=True")
+
+    @staticmethod
+    def _prepare(dataset, tokenizer, args, name):
+        if dataset is None:
+            return None
+        prepared, stats = prepare_preference_dataset(dataset, tokenizer, args, return_stats=True)
+        logger.info("%s dataset: %d pairs (%d over max_length truncated, %d dropped)", name, len(prepared),
+                    stats["n_truncated"], stats["n_dropped"])
+        return prepared
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = list(_FEATURE_COLUMNS)
+
+    # -- loss, evaluation and metrics --------------------------------------------------------------
+    def _rewards(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen (B,), rejected (B,)) rewards of a collated batch, in one forward over its 2B sequences."""
+        model_inputs = {k: v for k, v in inputs.items() if k not in _LOSS_ONLY_KEYS}
+        model_inputs["use_cache"] = False  # with a cache, transformers does not keep packed sequences apart
+        mask = inputs.get("attention_mask")
+        if mask is not None and mask.ndim == 4 and self._eager:
+            # eager attention adds the mask to its scores: a prefix-sharing boolean mask becomes 0 / -inf-like
+            model_inputs["attention_mask"] = torch.zeros(mask.shape, device=mask.device).masked_fill(
+                ~mask, torch.finfo(torch.float32).min)
+        scores = token_scores(model, self._score_head, model_inputs)
+        rewards = gather_last_token_scores(scores, attention_mask=mask if mask is not None and mask.ndim == 2 else None,
+                                           last_token_index=inputs.get("last_token_index"))
+        chosen, rejected = rewards.chunk(2)
+        return chosen, rejected
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        chosen, rejected = self._rewards(model, inputs)
+        loss = pairwise_reward_loss(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient)
+        if model.training:
+            sums = pairwise_metric_sums(chosen, rejected)
+            self._metric_sums = sums if self._metric_sums is None else self._metric_sums + sums
+        outputs = {"rewards_chosen": chosen, "rewards_rejected": rejected}
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        loss = loss.detach()
+        if prediction_loss_only:
+            return loss, None, None
+        rewards = torch.stack([outputs["rewards_chosen"], outputs["rewards_rejected"]], dim=1)
+        return loss, rewards, torch.zeros(len(rewards), dtype=torch.long, device=rewards.device)
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        if not any(k.startswith("eval_") for k in logs) and self._metric_sums is not None:
+            # training metrics since the last log, summed over processes
+            logs.update(pairwise_metrics_from_sums(self.accelerator.reduce(self._metric_sums, reduction="sum")))
+            self._metric_sums = None
+        super().log(logs, start_time)
+
+    # -- reward statistics for PPO -----------------------------------------------------------------
+    def compute_reward_stats(self, dataset=None) -> dict[str, float]:
+        """Mean and std (population) of the rewards of every chosen and rejected sequence in `dataset`
+        (default: the train set), stored in the model config as `reward_mean` / `reward_std`.
+
+        The next `save_model` writes them to `config.json` (full models) and `reward_stats.json` (any model,
+        LoRA adapters included); `hf_rlhf.reward_models.load_reward_stats(path)` reads them back.
+        """
+        dataset = self.train_dataset if dataset is None else self._prepare(dataset, self.processing_class,
+                                                                             self.args, "reward_stats")
+        rewards = torch.as_tensor(self.predict(dataset, metric_key_prefix="reward_stats").predictions).double()
+        rewards = rewards.reshape(-1)
+        return set_reward_stats(self.accelerator.unwrap_model(self.model), rewards.mean(), rewards.std(correction=0))
+
+    def train(self, *args, **kwargs):
+        output = super().train(*args, **kwargs)
+        if self.args.store_reward_stats:
+            stats = self.compute_reward_stats()
+            output.metrics.update(stats)
+            logger.info("reward stats over the train set: mean %.4f, std %.4f", stats["reward_mean"],
+                        stats["reward_std"])
+        return output
+
+    # -- saving --------------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        model = self.accelerator.unwrap_model(self.model)
+        if isinstance(model, ValueHeadModel):
+            if not self.args.should_save:
+                return
+            model.save_pretrained(output_dir)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        else:
+            super()._save(output_dir, state_dict)
+        stats = load_reward_stats(model)
+        if stats is not None and self.args.should_save:
+            save_reward_stats(output_dir, stats)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if isinstance(model if model is not None else self.model, ValueHeadModel):
+            raise NotImplementedError("resuming a ValueHeadModel reward model from a checkpoint is not supported "
+                                      "yet; load it with ValueHeadModel.from_pretrained(checkpoint) and train on")
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
