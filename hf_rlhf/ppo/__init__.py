@@ -17,3 +17,33 @@ __all__ = [
     "policy_loss",
     "value_loss",
 ]
+
+# The trainer-side pieces import transformers / trl / datasets, so they load on first use: `import hf_rlhf.ppo.kl`
+# (or the math above) must stay torch-only.
+_LAZY = {
+    "PPOConfig": "config",
+    "Experience": "experience",
+    "PolicyAndValue": "policy_value",
+    "RolloutMaker": "rollout",
+    "ExperienceLoader": "loader",
+    "prepare_prompt_dataset": "loader",
+    "build_reward_source": "rewards",
+    "FunctionReward": "rewards",
+    "ModelReward": "rewards",
+    "RewardError": "rewards",
+    "RunningMoments": "rewards",
+    "HTTPReward": "http_reward",
+    "RewardServer": "reward_server",
+    "RewardAdapter": "shared_base",
+    "ValueAdapter": "shared_base",
+    "KLControllerCallback": "callbacks",
+    "RewardStatsCallback": "callbacks",
+    "EpochFromStepCallback": "callbacks",
+}
+__all__ += sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(__import__(f"{__name__}.{_LAZY[name]}", fromlist=[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

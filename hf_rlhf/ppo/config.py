@@ -1,0 +1,208 @@
+"""`PPOConfig`: PPO options as a `transformers.TrainingArguments` subclass (TRL's names where TRL has them).
+
+Batch sizes, per device, for one rollout::
+
+    per_device_train_batch_size   micro-batch: rows in one forward/backward          (TRL: same)
+    gradient_accumulation_steps   micro-batches per optimizer step (a "minibatch")   (TRL: same)
+    num_mini_batches              optimizer steps per pass over the rollout          (TRL: same)
+    rollout_batch_size            prompts per rollout = micro x GA x num_mini_batches  (TRL's `local_batch_size`)
+    num_ppo_epochs                passes over each rollout                           (TRL: same)
+
+so one rollout gives `num_mini_batches * num_ppo_epochs` optimizer steps. `max_steps` / `num_train_epochs` count
+optimizer steps and passes over the prompt dataset, as in every Trainer (TRL's `total_episodes` is not used).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from ..configs import DeviceDefaultsMixin
+from .kl import KL_ESTIMATORS
+
+REWARD_NORMALIZATIONS = ("none", "running", "model_stats")
+PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
+
+
+@dataclass
+class PPOConfig(DeviceDefaultsMixin, TrainingArguments):
+    """PPO options (a `TrainingArguments`): every Trainer option works as usual.
+
+    Batches (per device; see the module docstring):
+        per_device_train_batch_size, gradient_accumulation_steps: the micro-batch and the micro-batches per
+            optimizer step, as for any Trainer.
+        num_mini_batches: optimizer steps per pass over one rollout.
+        rollout_batch_size: prompts per rollout per device. None: `per_device_train_batch_size *
+            gradient_accumulation_steps * num_mini_batches`. When given it must be a multiple of
+            `per_device_train_batch_size * gradient_accumulation_steps`, and `num_mini_batches` is derived from it.
+        num_ppo_epochs: passes over each rollout.
+        local_rollout_forward_batch_size: rows per no-grad forward during the rollout (generation, log-probs,
+            values, reward model).
+    Prompts:
+        max_prompt_length: longest tokenized prompt (None: no limit); longer prompts are handled by
+            `prompt_overlong_policy`: `error` (default; the error names the row), `truncate` (keep the last
+            tokens, as TRL's GRPO truncates prompts from the left) or `drop`.
+    Generation:
+        response_length: max new tokens (TRL's name). temperature, top_k (0: off), top_p: sampling; the
+            log-probabilities of training use the same temperature. generation_kwargs: extra `generate` arguments.
+        stop_token: "eos" (default) or None; stop_token_id: an explicit stop token (wins over stop_token). The
+            response ends after the first stop token; tokens after it are padding.
+        missing_eos_penalty: subtracted from the score of a response that never produced the stop token.
+        ds3_gather_for_generation: gather ZeRO-3 weights for generation (TRL's name).
+    Rewards:
+        reward_normalization: `none`, `running` (running mean/std over all rollouts, saved in checkpoints) or
+            `model_stats` (`reward_mean` / `reward_std` stored in the reward model's config by `RewardTrainer`
+            with `store_reward_stats=True`). reward_clip: clip normalised scores to [-c, c].
+        Order: normalise, clip, then subtract `missing_eos_penalty`.
+    KL:
+        kl_coef: β (the initial value when adaptive). kl_estimator: k1, k2 or k3 (`hf_rlhf.ppo.kl_penalty`).
+        kl_target: None for a fixed β; else the target KL (per sequence, summed over tokens) of the adaptive
+            controller (Ziegler et al. 2019), with `kl_horizon`.
+    PPO:
+        gamma, lam: GAE. cliprange, cliprange_value: PPO clipping. vf_coef, entropy_coef: loss weights.
+        whiten_advantages (TRL always whitens), whiten_rewards (TRL's option, scale only).
+        value_learning_rate: learning rate of the value head / value model (None: `learning_rate`).
+        ptx_coef: weight of the language-modelling loss on the `ptx_dataset` given to the trainer (InstructGPT's
+            PPO-ptx); 0 turns it off.
+        disable_dropout: turn dropout off in the policy (and value model): PPO's first ratio is then exactly 1.
+
+    Checkpoints may be taken at any step, also in the middle of a rollout's optimizer steps: the rollout being
+    trained on is written into the checkpoint per rank (`ppo_experience_rank{r}.pt`) and read back on resume, so
+    no rollout is regenerated. `ignore_data_skip` is forced to True: the experience loader fast-forwards its own
+    prompts on resume.
+    """
+
+    learning_rate: float = field(default=3e-6, metadata={"help": "The initial learning rate for AdamW."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every X updates steps."})
+    bf16: bool | None = field(
+        default=None, metadata={"help": "bf16 mixed precision. None: on for CUDA with bf16, off on CPU."}
+    )
+    # batches
+    num_mini_batches: int = field(default=1, metadata={"help": "Optimizer steps per pass over a rollout."})
+    rollout_batch_size: int | None = field(
+        default=None, metadata={"help": "Prompts per rollout per device. None: micro-batch x GA x num_mini_batches."}
+    )
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout."})
+    local_rollout_forward_batch_size: int = field(
+        default=64, metadata={"help": "Rows per no-grad forward (generation, log-probs, values, rewards)."}
+    )
+    # prompts
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for prompt tokenization."})
+    max_prompt_length: int | None = field(default=None, metadata={"help": "Longest tokenized prompt."})
+    prompt_overlong_policy: str = field(
+        default="error", metadata={"help": "Prompts longer than max_prompt_length: error, truncate (keep the end) "
+                                           "or drop.", "choices": list(PROMPT_OVERLONG_POLICIES)},
+    )
+    # generation
+    response_length: int = field(default=53, metadata={"help": "Max new tokens per response."})
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature (also applied to log-probs)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 turns it off."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling; 1.0 turns it off."})
+    generation_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Extra keyword arguments of generate (a dict, or JSON on the command line)."}
+    )
+    stop_token: str | None = field(
+        default="eos", metadata={"help": "'eos' to end responses at the eos token, or None (run to response_length)."}
+    )
+    stop_token_id: int | None = field(default=None, metadata={"help": "Token id that ends a response."})
+    missing_eos_penalty: float | None = field(
+        default=None, metadata={"help": "Subtracted from the score of responses without the stop token."}
+    )
+    ds3_gather_for_generation: bool = field(default=True, metadata={"help": "Gather ZeRO-3 weights to generate."})
+    # rewards
+    reward_normalization: str = field(
+        default="none", metadata={"help": "none, running, or model_stats (reward_mean/std of the reward model).",
+                                  "choices": list(REWARD_NORMALIZATIONS)},
+    )
+    reward_clip: float | None = field(default=None, metadata={"help": "Clip normalised scores to [-c, c]."})
+    # KL
+    kl_coef: float = field(default=0.05, metadata={"help": "KL coefficient (initial value when adaptive)."})
+    kl_estimator: str = field(
+        default="k1", metadata={"help": "Per-token KL estimator.", "choices": list(KL_ESTIMATORS)}
+    )
+    kl_target: float | None = field(default=None, metadata={"help": "Target KL of the adaptive controller; "
+                                                                    "None: fixed kl_coef."})
+    kl_horizon: float = field(default=10000, metadata={"help": "Horizon of the adaptive KL controller."})
+    # PPO
+    gamma: float = field(default=1.0, metadata={"help": "GAE discount."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Value loss weight."})
+    entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus weight."})
+    whiten_advantages: bool = field(default=True, metadata={"help": "Whiten advantages per rollout."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Scale per-token rewards per rollout."})
+    value_learning_rate: float | None = field(
+        default=None, metadata={"help": "Learning rate of the value parameters (None: learning_rate)."}
+    )
+    ptx_coef: float = field(default=0.0, metadata={"help": "Weight of the LM loss on the ptx_dataset."})
+    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the policy/value."})
+
+    def __post_init__(self):
+        self._resolve_device_defaults()
+        # the experience loader fast-forwards its own prompts; the Trainer's skip would regenerate rollouts
+        self.ignore_data_skip = True
+        super().__post_init__()
+        if isinstance(self.stop_token, str) and self.stop_token.lower() == "none":  # from the command line
+            self.stop_token = None
+        if isinstance(self.generation_kwargs, str):
+            self.generation_kwargs = json.loads(self.generation_kwargs)
+        self._check_batches()
+        self._check_options()
+
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps made from one rollout."""
+        return self.num_mini_batches * self.num_ppo_epochs
+
+    def _check_batches(self):
+        for name in ("num_mini_batches", "num_ppo_epochs", "response_length", "local_rollout_forward_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PPOConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        minibatch = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if self.rollout_batch_size is None:
+            self.rollout_batch_size = minibatch * self.num_mini_batches
+            return
+        if self.rollout_batch_size < 1 or self.rollout_batch_size % minibatch:
+            raise ValueError(
+                f"PPOConfig.rollout_batch_size={self.rollout_batch_size} must be a positive multiple of "
+                f"per_device_train_batch_size x gradient_accumulation_steps = {self.per_device_train_batch_size} x "
+                f"{self.gradient_accumulation_steps} = {minibatch}, so that every optimizer step takes whole "
+                "micro-batches of one rollout.")
+        derived = self.rollout_batch_size // minibatch
+        if self.num_mini_batches not in (1, derived):
+            raise ValueError(
+                f"PPOConfig: rollout_batch_size={self.rollout_batch_size} gives {derived} mini-batches of {minibatch} "
+                f"but num_mini_batches={self.num_mini_batches}; set only one of them.")
+        self.num_mini_batches = derived
+
+    def _check_options(self):
+        checks = [
+            (self.temperature > 0, f"temperature must be > 0, got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 turns it off), got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.stop_token in ("eos", None), f"stop_token must be 'eos' or None, got {self.stop_token!r}"),
+            (self.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {KL_ESTIMATORS}, "
+                                                 f"got {self.kl_estimator!r}"),
+            (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}"),
+            (self.kl_target is None or self.kl_target > 0, f"kl_target must be > 0 or None, got {self.kl_target}"),
+            (self.kl_horizon > 0, f"kl_horizon must be > 0, got {self.kl_horizon}"),
+            (0 <= self.gamma <= 1 and 0 <= self.lam <= 1, f"gamma and lam must be in [0, 1], got {self.gamma}, "
+                                                          f"{self.lam}"),
+            (self.cliprange > 0 and self.cliprange_value > 0, "cliprange and cliprange_value must be > 0"),
+            (self.reward_normalization in REWARD_NORMALIZATIONS,
+             f"reward_normalization must be one of {REWARD_NORMALIZATIONS}, got {self.reward_normalization!r}"),
+            (self.reward_clip is None or self.reward_clip > 0, f"reward_clip must be > 0 or None, "
+                                                               f"got {self.reward_clip}"),
+            (self.prompt_overlong_policy in PROMPT_OVERLONG_POLICIES,
+             f"prompt_overlong_policy must be one of {PROMPT_OVERLONG_POLICIES}, got {self.prompt_overlong_policy!r}"),
+            (self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length must be >= 1 or None"),
+            (self.ptx_coef >= 0 and self.vf_coef >= 0 and self.entropy_coef >= 0,
+             "ptx_coef, vf_coef and entropy_coef must be >= 0"),
+            (self.value_learning_rate is None or self.value_learning_rate >= 0, "value_learning_rate must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"PPOConfig: {message}.")

@@ -1,0 +1,260 @@
+"""The PPO "dataloader": prompts in, experience micro-batches out, resumable without regenerating rollouts.
+
+`ExperienceLoader` is a plain object, not a torch `DataLoader`: `accelerate` wraps only torch DataLoaders, and a
+wrapped one reads a batch ahead, which would make every rollout one optimizer step stale. It shards the prompts
+itself (`process_index` / `num_processes`). Per epoch of the prompt dataset::
+
+    prompts (shuffled by seed + epoch, the same order on every rank)
+      -> rollouts of `rollout_batch_size` prompts per rank (the last incomplete one is dropped)
+      -> per rollout: `num_ppo_epochs` shuffled passes, cut into micro-batches of `micro_batch_size`
+
+`len(loader)` is the number of micro-batches per epoch, so the Trainer's `steps_in_epoch` and
+`num_update_steps_per_epoch` come out right.
+
+Resume: the Trainer is run with `ignore_data_skip=True`, loads the RNG state, then calls `set_epoch(e)` and
+`iter()`. The loader skips `global_step * gradient_accumulation_steps - e * len(self)` micro-batches: whole
+rollouts are skipped without generating anything (their prompts are known from the seeded order); a rollout that
+a checkpoint cut in the middle is read back from the per-rank experience file that `save_state` wrote into the
+checkpoint, so it is not regenerated either (its responses were sampled, so regenerating could not reproduce it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+from datasets import Dataset
+
+from ..data import (
+    MISSING,
+    DataValidationError,
+    _Raw,
+    _special_prefix,
+    as_dataset,
+    check_messages,
+    check_not_empty,
+    check_text,
+    column_names,
+    is_conversational_column,
+    validate_rows,
+)
+from .experience import Experience
+
+logger = logging.getLogger("hf_rlhf")
+
+EXPERIENCE_FILE = "ppo_experience_rank{rank}.pt"
+
+
+def seeded_generator(*key: int) -> torch.Generator:
+    """A torch generator seeded from integers, the same in every process and Python version (no `hash`)."""
+    digest = hashlib.sha256(repr(tuple(int(k) for k in key)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def prepare_prompt_dataset(dataset, tokenizer, args) -> Dataset:
+    """Validate and tokenize prompt rows: adds `input_ids` (the prompt's tokens); other columns are kept.
+
+    Rows have a `prompt` (a string, or a list of messages) or a `messages` list (renamed to `prompt`). Plain
+    prompts get the tokenizer's leading special tokens (bos), conversations the chat template with the generation
+    prompt. Prompts longer than `args.max_prompt_length` follow `args.prompt_overlong_policy`.
+
+    Raises:
+        DataValidationError: naming the row and field (a missing or empty prompt, a prompt that is too long).
+    """
+    dataset = as_dataset(dataset)
+    check_not_empty(dataset)
+    columns = column_names(dataset)
+    if "prompt" not in columns and "messages" in columns:
+        dataset, columns = dataset.rename_column("messages", "prompt"), [c if c != "messages" else "prompt"
+                                                                          for c in columns]
+    if "prompt" not in columns:
+        raise DataValidationError(None, None, "a 'prompt' or 'messages' column", _Raw(f"columns {columns}"))
+    conversational = is_conversational_column(dataset, "prompt")
+    validate_rows(dataset, {"prompt": check_messages if conversational else check_text})
+    if conversational and tokenizer.chat_template is None:
+        raise ValueError("the prompts are conversational but the tokenizer has no chat template")
+    if "input_ids" not in columns:
+        prefix = _special_prefix(tokenizer)
+
+        def tokenize(row):
+            if conversational:
+                ids = tokenizer.apply_chat_template(list(row["prompt"]), tokenize=True, return_dict=True,
+                                                    add_generation_prompt=True)["input_ids"]
+            else:
+                ids = prefix + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            return {"input_ids": list(ids)}
+
+        dataset = dataset.map(tokenize, num_proc=args.dataset_num_proc, desc="Tokenizing prompts")
+    return _apply_prompt_length(dataset, args.max_prompt_length, args.prompt_overlong_policy)
+
+
+def _apply_prompt_length(dataset: Dataset, max_length: int | None, policy: str) -> Dataset:
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    for row, n in enumerate(lengths):
+        if n == 0:
+            raise DataValidationError(row, "prompt", "at least one token", MISSING)
+    overlong = [] if max_length is None else [i for i, n in enumerate(lengths) if n > max_length]
+    if not overlong:
+        return dataset
+    if policy == "error":
+        row = overlong[0]
+        raise DataValidationError(
+            row, "prompt", f"at most max_prompt_length={max_length} tokens ({len(overlong)} of {len(lengths)} prompts "
+            "are longer; set prompt_overlong_policy='truncate' or 'drop' to go on)", _Raw(f"{lengths[row]} tokens"))
+    if policy == "drop":
+        logger.warning("%d of %d prompts longer than max_prompt_length=%d were dropped", len(overlong), len(lengths),
+                       max_length)
+        if len(overlong) == len(lengths):
+            raise ValueError(f"all {len(lengths)} prompts are longer than max_prompt_length={max_length}")
+        keep = set(range(len(lengths))) - set(overlong)
+        return dataset.select(sorted(keep))
+    logger.warning("%d of %d prompts longer than max_prompt_length=%d were truncated (their last tokens kept)",
+                   len(overlong), len(lengths), max_length)
+    return dataset.map(lambda row: {"input_ids": row["input_ids"][-max_length:]})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Experience
+
+
+class ExperienceLoader:
+    """Experience micro-batches for the Trainer (see the module docstring).
+
+    Args:
+        dataset: tokenized prompts (`prepare_prompt_dataset`).
+        make_experience: `(rows, dataset_indices) -> (Experience, stats)`; called once per rollout.
+        rollout_batch_size: prompts per rollout on this rank.
+        micro_batch_size: rows per yielded micro-batch.
+        num_ppo_epochs: passes over each rollout.
+        seed: seeds the prompt order and the micro-batch shuffles (own generators: the global RNG is untouched).
+        process_index, num_processes: this rank and the number of ranks.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        get_global_step: the Trainer's `state.global_step`, read when iteration starts.
+        get_resume_dir: the checkpoint being resumed from, or None.
+        device: where restored experience goes.
+        extra_batch: `global_micro_batch_index -> dict`, merged into each micro-batch (the ptx rows).
+    """
+
+    def __init__(self, dataset, make_experience: Callable, *, rollout_batch_size: int, micro_batch_size: int,
+                 num_ppo_epochs: int, seed: int, process_index: int = 0, num_processes: int = 1,
+                 gradient_accumulation_steps: int = 1, get_global_step: Callable[[], int] = lambda: 0,
+                 get_resume_dir: Callable[[], str | None] = lambda: None, device=None,
+                 extra_batch: Callable[[int], dict] | None = None):
+        if rollout_batch_size % micro_batch_size:
+            raise ValueError(f"rollout_batch_size={rollout_batch_size} is not a multiple of the micro-batch size "
+                             f"{micro_batch_size}")
+        self._dataset, self.make_experience = dataset, make_experience
+        self.rollout_batch_size, self.micro_batch_size = rollout_batch_size, micro_batch_size
+        self.num_ppo_epochs, self.seed = num_ppo_epochs, seed
+        self.process_index, self.num_processes = process_index, num_processes
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.get_global_step, self.get_resume_dir = get_global_step, get_resume_dir
+        self.device, self.extra_batch = device, extra_batch
+        self.epoch = 0
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, prompt permutation)
+        self._rollout: dict | None = None  # the rollout being handed out, and how far (for checkpoints)
+        if self.rollouts_per_epoch == 0:
+            raise ValueError(f"the prompt dataset has {len(dataset)} rows; one rollout takes rollout_batch_size x "
+                             f"processes = {rollout_batch_size} x {num_processes} prompts")
+
+    @property
+    def dataset(self):
+        return self._dataset
+
+    @property
+    def rollouts_per_epoch(self) -> int:
+        return len(self._dataset) // (self.rollout_batch_size * self.num_processes)
+
+    @property
+    def batches_per_rollout(self) -> int:
+        return self.num_ppo_epochs * (self.rollout_batch_size // self.micro_batch_size)
+
+    def __len__(self) -> int:
+        return self.rollouts_per_epoch * self.batches_per_rollout
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    # -- orders (seeded generators, so a resumed run recomputes them without replaying anything) ---------
+    def rollout_indices(self, epoch: int, rollout: int) -> list[int]:
+        """Dataset indices of this rank's prompts for one rollout."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, torch.randperm(len(self._dataset), generator=seeded_generator(self.seed, epoch)))
+        order = self._order[1]
+        start = (rollout * self.num_processes + self.process_index) * self.rollout_batch_size
+        return order[start:start + self.rollout_batch_size].tolist()
+
+    def _batch_order(self, epoch: int, rollout: int) -> list[list[int]]:
+        generator = seeded_generator(self.seed, epoch, rollout, self.process_index, 1)
+        batches = []
+        for _ in range(self.num_ppo_epochs):
+            perm = torch.randperm(self.rollout_batch_size, generator=generator)
+            batches += [perm[i:i + self.micro_batch_size].tolist()
+                        for i in range(0, self.rollout_batch_size, self.micro_batch_size)]
+        return batches
+
+    # -- iteration -------------------------------------------------------------------------------------
+    def __iter__(self):
+        epoch, per_rollout = self.epoch, self.batches_per_rollout
+        skip = max(self.get_global_step() * self.gradient_accumulation_steps - epoch * len(self), 0)
+        first, offset = divmod(skip, per_rollout)
+        for rollout in range(first, self.rollouts_per_epoch):
+            if offset:
+                self._rollout = self._restore(epoch, rollout, offset)
+            else:
+                indices = self.rollout_indices(epoch, rollout)
+                rows = _rows(self._dataset, indices)
+                experience, stats = self.make_experience(rows, indices)
+                self._rollout = {"epoch": epoch, "rollout": rollout, "position": 0, "experience": experience,
+                                 "stats": stats, "order": self._batch_order(epoch, rollout)}
+            for j in range(offset, per_rollout):
+                self._rollout["position"] = j + 1
+                yield self._micro_batch(j, epoch * len(self) + rollout * per_rollout + j)
+            offset = 0
+        self._rollout = None
+
+    def _micro_batch(self, j: int, global_index: int) -> dict:
+        current = self._rollout
+        batch = current["experience"].select(current["order"][j]).trimmed().to_dict()
+        batch["rollout_stats"] = dict(current["stats"])
+        if self.extra_batch is not None:
+            batch.update(self.extra_batch(global_index))
+        return batch
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def save_state(self, checkpoint_dir: str) -> None:
+        """Write the current rollout's experience into the checkpoint if the checkpoint cuts it in the middle."""
+        current = self._rollout
+        if current is None or current["position"] in (0, self.batches_per_rollout):
+            return
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        state = {**current, "experience": current["experience"].to("cpu").to_dict()}
+        torch.save(state, os.path.join(checkpoint_dir, EXPERIENCE_FILE.format(rank=self.process_index)))
+
+    def _restore(self, epoch: int, rollout: int, position: int) -> dict:
+        directory = self.get_resume_dir()
+        path = os.path.join(directory or "", EXPERIENCE_FILE.format(rank=self.process_index))
+        if directory is None or not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"resuming at micro-batch {position} of rollout {rollout} (epoch {epoch}) needs that rollout's "
+                f"experience, but {path} does not exist; the checkpoint was not written by PPOTrainer, or with "
+                "another batch configuration")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        found = (state["epoch"], state["rollout"], state["position"])
+        if found != (epoch, rollout, position):
+            raise ValueError(f"{path} holds (epoch, rollout, position) = {found}, but the resumed run is at "
+                             f"{(epoch, rollout, position)}: the batch configuration changed since the checkpoint")
+        state["experience"] = Experience.from_dict(state["experience"]).to(self.device or "cpu")
+        return state
+
+
+def _rows(dataset: Dataset, indices: list[int]) -> list[dict]:
+    columns = dataset[indices]
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]

@@ -1,0 +1,286 @@
+"""The one module PPO trains: the policy (a causal LM or a `PeftModel` of one) and its value function.
+
+The value function is either
+  (a) a value head, `Linear(hidden, 1)` initialised N(0, 1/(hidden + 1)), on the policy's last hidden state (default:
+      one backbone, one forward for logits and values), or
+  (b) a separate value model: a sequence-classification model with one label (its `score` head read at every
+      token), or a `hf_rlhf.reward_models.ValueHeadModel`, e.g. initialised from the reward model, or
+  (c) a value adapter: a second LoRA adapter ("value") of the policy's `PeftModel` with a value head on its last
+      hidden state: one frozen base for both (see `hf_rlhf.ppo.shared_base`); two forwards, one per adapter.
+
+One `nn.Module` means one optimizer (the value parameters may get their own learning rate) and one thing for
+DDP / DeepSpeed / FSDP to wrap. A plain wrapper around a model with tied embeddings fails the Trainer's safetensors
+save, so `save_policy_and_value` writes the policy with its own `save_pretrained` into the output directory (a full
+model or a LoRA adapter, loadable as is) and the value head / value model into `<output_dir>/value/` (for (c): the
+value adapter and `value_head.safetensors`, which `ValueHeadModel.from_pretrained` reads back). Only the policy
+adapter is saved as the policy: a reward adapter loaded on the same base is not written into checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.utils import ModelOutput
+
+from ..reward_models import ValueHeadModel, backbone_of, find_score_head, token_scores, unwrap_peft
+from .shared_base import adapter_parameter_names, adapter_scope
+
+VALUE_DIR = "value"
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+@dataclass
+class PolicyValueOutput(ModelOutput):
+    """logits: (B, T', V) with T' = `logits_to_keep` (or T); token_values: (B, T) float32.
+
+    Not named `values`: a ModelOutput is a dict, and DDP walks outputs with `.values()`.
+    """
+
+    logits: torch.Tensor | None = None
+    token_values: torch.Tensor | None = None
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return unwrap_peft(model) is not model
+
+
+class PolicyAndValue(nn.Module):
+    """Policy + value function as one module; `forward` gives per-token logits and values.
+
+    Args:
+        policy: a causal LM `PreTrainedModel` or a `PeftModel` of one.
+        value_model: None for a value head on the policy backbone (a); else a sequence-classification model with
+            one label or a `ValueHeadModel` (b).
+        head_init_std: std of the value head's initial weights. None: 1/sqrt(hidden + 1) (Ziegler et al. 2019).
+        value_adapter: the name of a trainable adapter of the policy `PeftModel` that the value head reads (c);
+            None: the head reads the policy's own hidden states (a).
+    """
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module | None = None, head_init_std: float | None = None,
+                 value_adapter: str | None = None):
+        super().__init__()
+        if value_adapter is not None and (value_model is not None or value_adapter not in policy.peft_config):
+            raise ValueError(f"value_adapter={value_adapter!r} needs a PeftModel policy with that adapter and no "
+                             "value_model")
+        self.policy = policy
+        self.value_model = value_model
+        self.value_adapter = value_adapter
+        self.value_head = None
+        if value_model is None:
+            hidden = unwrap_peft(policy).config.get_text_config().hidden_size
+            self.value_head = nn.Linear(hidden, 1)
+            std = head_init_std if head_init_std is not None else 1.0 / math.sqrt(hidden + 1)
+            with torch.no_grad():
+                self.value_head.weight.normal_(0.0, std)
+                self.value_head.bias.zero_()
+            self.value_head.to(next(policy.parameters()).device)
+        self._value_score_head = None if value_model is None else find_score_head(value_model)
+        # the Trainer reads these from the model it trains; its batches are experience, whose tokens to count
+        # (include_num_input_tokens_seen) are the responses
+        self.config = unwrap_peft(policy).config
+        self.main_input_name = "response_ids"
+        self.supports_gradient_checkpointing = getattr(unwrap_peft(policy), "supports_gradient_checkpointing", False)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep: int = 0) -> PolicyValueOutput:
+        """Per-token logits (the last `logits_to_keep` positions; 0: all) and values (all positions), float32."""
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        shared = self.value_head is not None and self.value_adapter is None
+        out = self.policy(**inputs, logits_to_keep=logits_to_keep, output_hidden_states=shared)
+        if self.value_head is not None:
+            if shared:
+                hidden = out.hidden_states[-1]  # after the final norm, as the LM head sees it
+            else:  # (c): the same base under the value adapter; the LM head is skipped
+                with adapter_scope(self.policy, self.value_adapter):
+                    hidden = backbone_of(self.policy)(**inputs).last_hidden_state
+            values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        else:
+            values = token_scores(self.value_model, self._value_score_head, inputs)
+        return PolicyValueOutput(logits=out.logits, token_values=values)
+
+    def value_parameter_names(self) -> set[str]:
+        """Names (as in `named_parameters()`) of the value function's own parameters."""
+        prefixes = ("value_head.", "value_model.")
+        names = {name for name, _ in self.named_parameters() if name.startswith(prefixes)}
+        if self.value_adapter is not None:
+            names |= set(adapter_parameter_names(self, self.value_adapter))
+        return names
+
+    # Trainer hooks, delegated to the models inside
+    def activation_checkpointing_enable(self, **kwargs):
+        for model in (self.policy, self.value_model):
+            if model is not None:
+                model.activation_checkpointing_enable(**kwargs)
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return bool(getattr(unwrap_peft(self.policy), "is_activation_checkpointing", False))
+
+    def enable_input_require_grads(self):
+        self.policy.enable_input_require_grads()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompt + response as one sequence
+
+
+def sequence_inputs(query_ids, query_mask, response_ids, response_mask) -> dict[str, torch.Tensor]:
+    """Model inputs for left-padded prompts followed by right-padded responses.
+
+    `position_ids` count real tokens only (as `generate` does for left padding), so a row's logits do not depend
+    on how much padding its batch has.
+
+    Returns:
+        {"input_ids", "attention_mask", "position_ids"}: each (B, Q + R).
+    """
+    attention_mask = torch.cat([query_mask, response_mask], dim=1).long()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": torch.cat([query_ids, response_ids], dim=1), "attention_mask": attention_mask,
+            "position_ids": position_ids}
+
+
+def _values_of(output) -> torch.Tensor | None:
+    return output.get("token_values")  # None for a plain causal LM (the reference)
+
+
+def response_logits(model: nn.Module, query_ids, query_mask, response_ids, response_mask, temperature: float = 1.0,
+                    extra_rows: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Run `model` on prompt + response and keep what predicts each response token.
+
+    Args:
+        model: a `PolicyAndValue` (possibly DDP-wrapped) or a causal LM (the reference).
+        query_ids, query_mask: (B, Q). response_ids, response_mask: (B, R).
+        temperature: response logits are divided by it (the distribution that sampled the responses).
+        extra_rows: (input_ids, attention_mask), (B2, L) right-padded rows run in the same forward (the ptx
+            batch: one forward, so DDP sees each parameter used once per backward).
+
+    Returns:
+        (logits (B, R, V), values (B, R) or None for a plain causal LM, extra logits (B2, L, V) or None):
+        position t is what the model predicts for response token t, i.e. its output at the token before it.
+    """
+    inputs = sequence_inputs(query_ids, query_mask, response_ids, response_mask)
+    length = response_ids.shape[1]
+    if extra_rows is None:
+        out = model(**inputs, logits_to_keep=length + 1)
+        logits, values, extra = out.logits[:, :-1], _values_of(out), None
+    else:
+        extra_ids, extra_mask = extra_rows
+        width = max(inputs["input_ids"].shape[1], extra_ids.shape[1])
+        extra_inputs = {"input_ids": extra_ids, "attention_mask": extra_mask,
+                        "position_ids": (extra_mask.cumsum(-1) - 1).clamp(min=0)}
+        # pad both parts on the right to one width; padding is masked and never read back
+        stacked = {key: torch.cat([F.pad(inputs[key], (0, width - inputs[key].shape[1])),
+                                   F.pad(extra_inputs[key], (0, width - extra_ids.shape[1]))])
+                   for key in inputs}
+        out = model(**stacked)
+        end, rows = inputs["input_ids"].shape[1], query_ids.shape[0]
+        logits, extra = out.logits[:rows, end - length - 1:end - 1], out.logits[rows:, :extra_ids.shape[1]]
+        values = _values_of(out)
+        values = None if values is None else values[:rows, :end]
+    if values is not None:
+        values = values[:, -length - 1:-1]
+    return logits / temperature, values, extra
+
+
+# ---------------------------------------------------------------------------------------------------
+# Saving and loading
+
+
+def _split_state_dict(state_dict: dict | None, prefix: str) -> dict | None:
+    if state_dict is None:
+        return None
+    return {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
+
+
+def save_policy_and_value(module: PolicyAndValue, output_dir: str, state_dict: dict | None = None,
+                          is_main_process: bool = True) -> None:
+    """Policy into `output_dir` (save_pretrained: full weights or LoRA adapter), value into `output_dir/value/`.
+
+    Args:
+        state_dict: the full module's state dict when the Trainer gathered it (DeepSpeed); None: each part's own.
+    """
+    from safetensors.torch import save_file
+
+    value_dir = os.path.join(output_dir, VALUE_DIR)
+    policy_state = _split_state_dict(state_dict, "policy.")
+    # a PeftModel saves every adapter by default; the policy is its active one (never the frozen reward adapter)
+    only = {"selected_adapters": [module.policy.active_adapter]} if _is_peft(module.policy) else {}
+    module.policy.save_pretrained(output_dir, state_dict=policy_state, is_main_process=is_main_process, **only)
+    if module.value_adapter is not None:  # peft writes an adapter not named "default" to <dir>/<its name>: value/
+        module.policy.save_pretrained(output_dir, state_dict=policy_state, is_main_process=is_main_process,
+                                      selected_adapters=[module.value_adapter])
+    if not is_main_process:
+        return
+    os.makedirs(value_dir, exist_ok=True)
+    if module.value_head is not None:
+        head = _split_state_dict(state_dict, "value_head.") or module.value_head.state_dict()
+        save_file({k: v.detach().contiguous().cpu() for k, v in head.items()}, os.path.join(value_dir, VALUE_HEAD_FILE))
+    else:
+        module.value_model.save_pretrained(value_dir, state_dict=_split_state_dict(state_dict, "value_model."))
+
+
+def load_policy_and_value(module: PolicyAndValue, directory: str) -> None:
+    """Load what `save_policy_and_value` wrote back into `module`, in place (parameters keep their identity)."""
+    from safetensors.torch import load_file
+
+    load_weights(module.policy, directory)
+    value_dir = os.path.join(directory, VALUE_DIR)
+    if module.value_adapter is not None:
+        load_weights(module.policy, os.path.join(directory, module.value_adapter), adapter_name=module.value_adapter)
+    if module.value_head is not None:
+        path = os.path.join(value_dir, VALUE_HEAD_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found: {directory} is not a PPO checkpoint with a value head")
+        module.value_head.load_state_dict(load_file(path, device=str(module.value_head.weight.device)))
+    elif isinstance(module.value_model, ValueHeadModel):
+        load_weights(module.value_model.pretrained_model, value_dir)
+        module.value_model.load_value_head(value_dir)
+    else:
+        load_weights(module.value_model, value_dir)
+
+
+def load_weights(model: nn.Module, directory: str, adapter_name: str | None = None) -> None:
+    """Load a `save_pretrained` directory (full model, sharded, or LoRA adapter) into an existing model.
+
+    Args:
+        adapter_name: for a `PeftModel`, the adapter to load into (default: the active one).
+
+    Raises:
+        FileNotFoundError: no weights in `directory`.
+        ValueError: keys that do not match the model (tied copies of loaded weights excepted).
+    """
+    from safetensors.torch import load_file
+
+    if _is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        path = os.path.join(directory, "adapter_model.safetensors")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found: the policy is a PeftModel but {directory} has no adapter")
+        adapter_name = adapter_name or model.active_adapter
+        result = set_peft_model_state_dict(model, load_file(path), adapter_name=adapter_name)
+        unexpected = list(getattr(result, "unexpected_keys", []))
+        if unexpected:
+            raise ValueError(f"adapter weights in {directory} do not match the model: unexpected {unexpected[:5]}")
+        return
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        from transformers.modeling_utils import load_sharded_checkpoint
+
+        result = load_sharded_checkpoint(model, directory, strict=False)
+    else:
+        path = os.path.join(directory, "model.safetensors")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found: no model weights in {directory}")
+        result = model.load_state_dict(load_file(path), strict=False)
+    # a key left out of the file because it is tied to a loaded one (tied embeddings) is not missing
+    state, absent = model.state_dict(), set(result.missing_keys)
+    loaded = {tensor.data_ptr() for name, tensor in state.items() if name not in absent}
+    missing = [name for name in result.missing_keys if state[name].data_ptr() not in loaded]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"weights in {directory} do not match the model: missing {missing[:5]}, "
+                         f"unexpected {list(result.unexpected_keys)[:5]}")

@@ -1,0 +1,212 @@
+"""`RolloutMaker`: prompts in, `Experience` out (generate, score, reference, KL-shaped rewards, GAE).
+
+The steps follow Ziegler et al. 2019 / Stiennon et al. 2020 as `trl.PPOTrainer` implements them; the math is
+the pure functions of `hf_rlhf.ppo` and `hf_rlhf.tensors`, so this file only orders the calls and moves tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from trl.models.utils import unwrap_model_for_generation
+
+from ..collators import LeftPaddingCollator
+from ..reward_models import unwrap_peft
+from ..tensors import first_true_indices, logprobs_from_logits, masked_sum, masked_whiten
+from .advantages import gae, per_token_rewards
+from .experience import Experience
+from .kl import kl_penalty
+from .policy_value import response_logits
+from .rewards import RewardError
+from .shared_base import adapter_scope
+
+logger = logging.getLogger("hf_rlhf")
+
+ROLLOUT_METRICS = ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+                   "objective/scores", "objective/raw_scores")
+
+
+def stop_token_id_of(args, tokenizer) -> int | None:
+    """`stop_token_id`, else eos when `stop_token == "eos"`, else None (responses run to `response_length`)."""
+    if args.stop_token_id is not None:
+        return args.stop_token_id
+    return tokenizer.eos_token_id if args.stop_token == "eos" else None
+
+
+class RolloutMaker:
+    """Turn a batch of prompt rows into an `Experience` and its (all-reduced) statistics.
+
+    Args:
+        args: a `PPOConfig`.
+        tokenizer: the policy's tokenizer.
+        reward_source: `(prompts, completions, **row_fields) -> (B,)` (see `hf_rlhf.ppo.rewards`).
+        accelerator: the Trainer's accelerator (device, gathers across ranks).
+        ref_model: a frozen reference model; None when the policy is a `PeftModel` (reference = adapters off).
+        reward_stats: {"reward_mean", "reward_std"} for `reward_normalization="model_stats"`.
+    """
+
+    def __init__(self, args, tokenizer, reward_source, accelerator, ref_model=None, reward_stats=None):
+        self.args, self.tokenizer, self.reward_source = args, tokenizer, reward_source
+        self.accelerator, self.ref_model, self.reward_stats = accelerator, ref_model, reward_stats
+        self.collator = LeftPaddingCollator(tokenizer.pad_token_id)
+        self.stop_token_id = stop_token_id_of(args, tokenizer)
+        self._warned_no_stop = False
+
+    @torch.no_grad()
+    def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None):
+        """One rollout.
+
+        Args:
+            model: the unwrapped `PolicyAndValue`.
+            rows: B prompt rows with `prompt`, `input_ids` and any other columns (passed to the reward).
+            kl_coef: β for this rollout's rewards.
+            reward_moments: a `RunningMoments` for `reward_normalization="running"` (updated here).
+            row_indices: the rows' dataset indices, named in reward errors.
+
+        Returns:
+            (Experience on the accelerator's device, {metric name: float}, identical on every rank).
+        """
+        args, device = self.args, self.accelerator.device
+        # step 1. left-padded prompts (the last column is every row's last prompt token)
+        batch = self.collator(rows)
+        query_ids, query_mask = batch.pop("input_ids").to(device), batch.pop("attention_mask").to(device)
+        prompts = batch.pop("prompt")
+
+        # step 2. sample responses with the KV cache, policy in eval mode (dropout off, as for the old log-probs)
+        response_ids = self._generate(model.policy, query_ids, query_mask)
+
+        # step 3. truncate after the first stop token: mask 1 up to and including it, pad after it
+        response_ids, response_mask, stopped = self._truncate(response_ids)
+
+        # step 4. score the decoded text (each reward source re-tokenizes it its own way)
+        completions = self._decode(response_ids, response_mask, conversational=isinstance(prompts[0], list))
+        raw_scores = self._score(prompts, completions, batch, row_indices).to(device)
+
+        # step 5. old log-probs and values of the policy, log-probs of the reference (eval mode, micro-batches)
+        model.eval()
+        old_logprobs, old_values, ref_logprobs = self._forward(model, query_ids, query_mask, response_ids,
+                                                               response_mask)
+
+        # step 6. per-token KL, score shaping, rewards, GAE, whitening
+        kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator)
+        scores = self._shape_scores(raw_scores, stopped, reward_moments)
+        rewards = per_token_rewards(scores, kl, response_mask, kl_coef)
+        enough = response_mask.sum() > 1  # whitening needs two tokens for a variance
+        if args.whiten_rewards and enough:
+            rewards = masked_whiten(rewards, response_mask, shift_mean=False)
+        advantages, returns = gae(rewards, old_values, response_mask, args.gamma, args.lam)
+        if args.whiten_advantages and enough:
+            advantages = masked_whiten(advantages, response_mask)
+        experience = Experience(query_ids, query_mask, response_ids, response_mask, old_logprobs, ref_logprobs,
+                                old_values, scores, rewards, advantages, returns)
+        return experience, self._stats(experience, kl, raw_scores, stopped, kl_coef)
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def _generate(self, policy, query_ids, query_mask) -> torch.LongTensor:
+        args, pad = self.args, self.tokenizer.pad_token_id
+        kwargs = dict(max_new_tokens=args.response_length, do_sample=True, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, use_cache=True,
+                      eos_token_id=self.stop_token_id)  # None: no early stop (a kwarg, unlike a config, overrides)
+        kwargs.update(args.generation_kwargs or {})
+        chunks = []
+        checkpointing = {k: v for k, v in (args.activation_checkpointing_kwargs or {}).items()
+                         if k not in ("every_n_layers", "offload")}  # re-enabled after generation with these
+        # the policy itself, not the wrapper: trl's helper needs a PreTrainedModel / PeftModel (and gathers ZeRO-3)
+        gather = args.ds3_gather_for_generation
+        with unwrap_model_for_generation(policy, self.accelerator, gather_deepspeed3_params=gather,
+                                         gradient_checkpointing_kwargs=checkpointing or None) as unwrapped:
+            unwrapped.eval()
+            for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):
+                end = start + args.local_rollout_forward_batch_size
+                out = unwrapped.generate(input_ids=query_ids[start:end], attention_mask=query_mask[start:end],
+                                         **kwargs)
+                chunks.append(out[:, query_ids.shape[1]:])
+        width = max(chunk.shape[1] for chunk in chunks)
+        return torch.cat([F.pad(chunk, (0, width - chunk.shape[1]), value=pad) for chunk in chunks])
+
+    def _truncate(self, response_ids):
+        """(response_ids with pad after the stop token, response_mask (B, R), stopped (B,) bool)."""
+        length = response_ids.shape[1]
+        if self.stop_token_id is None:
+            stop_at = torch.full_like(response_ids[:, 0], length)
+        else:
+            stop_at = first_true_indices(response_ids == self.stop_token_id)
+        stopped = stop_at < length
+        columns = torch.arange(length, device=response_ids.device)
+        response_mask = (columns.unsqueeze(0) <= stop_at.unsqueeze(1)).long()
+        response_ids = torch.where(response_mask.bool(), response_ids, self.tokenizer.pad_token_id)
+        return response_ids, response_mask, stopped
+
+    def _decode(self, response_ids, response_mask, conversational: bool) -> list:
+        tokens = [ids[: int(n)].tolist() for ids, n in zip(response_ids, response_mask.sum(1))]
+        texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        return [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+
+    def _score(self, prompts, completions, row_fields, row_indices) -> torch.Tensor:
+        try:
+            return self.reward_source(prompts, completions, **row_fields)
+        except RewardError as err:
+            if err.row is None or row_indices is None:
+                raise
+            raise RewardError(f"{err} [dataset row {row_indices[err.row]}]", err.row) from err
+
+    def _forward(self, model, query_ids, query_mask, response_ids, response_mask):
+        args = self.args
+        logprobs, values, ref_logprobs = [], [], []
+        for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):
+            part = [t[start:start + args.local_rollout_forward_batch_size]
+                    for t in (query_ids, query_mask, response_ids, response_mask)]
+            logits, value, _ = response_logits(model, *part, temperature=args.temperature)
+            logprobs.append(logprobs_from_logits(logits, part[2]))
+            values.append(value)
+            del logits
+            ref_logits = self._reference_logits(model.policy, part)
+            ref_logprobs.append(logprobs_from_logits(ref_logits, part[2]))
+        return torch.cat(logprobs), torch.cat(values), torch.cat(ref_logprobs)
+
+    def _reference_logits(self, policy, part):
+        if self.ref_model is not None:
+            return response_logits(self.ref_model, *part, temperature=self.args.temperature)[0]
+        if unwrap_peft(policy) is policy:
+            raise ValueError("no reference model: pass ref_model, or use a PeftModel policy (reference = adapters off)")
+        with adapter_scope(policy, None):  # the LoRA policy's base is the reference; requires_grad restored after
+            return response_logits(policy, *part, temperature=self.args.temperature)[0]
+
+    def _shape_scores(self, raw_scores, stopped, reward_moments) -> torch.Tensor:
+        """Normalise, clip, then subtract the missing-eos penalty (see `PPOConfig`)."""
+        args, scores = self.args, raw_scores.float()
+        if args.reward_normalization == "running":
+            reward_moments.update(self.accelerator.gather(scores))  # the same statistics on every rank
+            scores = reward_moments.normalize(scores)
+        elif args.reward_normalization == "model_stats":
+            scores = (scores - self.reward_stats["reward_mean"]) / (self.reward_stats["reward_std"] + 1e-8)
+        if args.reward_clip is not None:
+            scores = scores.clamp(-args.reward_clip, args.reward_clip)
+        if args.missing_eos_penalty is not None and self.stop_token_id is not None:
+            scores = torch.where(stopped, scores, scores - args.missing_eos_penalty)
+        return scores
+
+    def _stats(self, experience: Experience, kl, raw_scores, stopped, kl_coef) -> dict[str, float]:
+        """TRL's rollout metrics, averaged over ranks (`val/num_eos_tokens`: responses that stopped, summed)."""
+        mask = experience.response_mask
+        kl_per_sequence = masked_sum(kl, mask, dim=1)
+        non_score = -kl_coef * kl_per_sequence
+        means = torch.stack([
+            kl_per_sequence.mean(), masked_sum(-experience.old_logprobs, mask, dim=1).mean(), non_score.mean(),
+            (experience.scores + non_score).mean(), experience.scores.mean(), raw_scores.float().mean()]).float()
+        means = self.accelerator.reduce(means, reduction="mean")
+        num_stopped = self.accelerator.reduce(stopped.sum().float(), reduction="sum")
+        stats = dict(zip(ROLLOUT_METRICS, means.tolist()))
+        stats["objective/kl_coef"] = float(kl_coef)  # the same on every rank
+        stats["val/num_eos_tokens"] = num_stopped.item()
+        if self.stop_token_id is not None and stats["val/num_eos_tokens"] == 0 and not self._warned_no_stop:
+            self._warned_no_stop = True
+            logger.warning(
+                "no response of this rollout produced the stop token %d within response_length=%d tokens "
+                "(val/num_eos_tokens = 0); missing_eos_penalty=%s was %s. Raise response_length, check the stop "
+                "token, or train the policy to stop (SFT).", self.stop_token_id, self.args.response_length,
+                self.args.missing_eos_penalty,
+                "applied" if self.args.missing_eos_penalty is not None else "not set, so nothing was subtracted")
+        return stats

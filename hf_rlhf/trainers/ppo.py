@@ -1,0 +1,303 @@
+"""PPOTrainer: PPO as a thin `transformers.Trainer` subclass whose dataloader yields experience.
+
+The Trainer's loop (batch -> `compute_loss` -> backward -> optimizer step -> callbacks) is PPO's inner loop when the
+train "dataloader" is an `ExperienceLoader`: each rollout (generate, score, reference, GAE) becomes
+`num_mini_batches * num_ppo_epochs` optimizer steps. Everything else (optimizers, schedulers, accumulation, mixed
+precision, logging, checkpoints, resume, DeepSpeed) is the Trainer's own. The pieces live in `hf_rlhf.ppo`; this
+file only wires them together.
+
+Logged at each logging step, with TRL's names: per rollout `objective/kl` (summed over the response, mean over
+sequences), `objective/entropy`, `objective/non_score_reward`, `objective/rlhf_reward`, `objective/scores`,
+`objective/raw_scores` (before normalisation and penalty), `objective/kl_coef` (the β of the rollout),
+`val/num_eos_tokens` (responses that stopped); per minibatch, token-weighted means: `loss/policy_avg`,
+`loss/value_avg`, `policy/entropy_avg`, `policy/approxkl_avg`, `policy/clipfrac_avg`, `val/clipfrac_avg`,
+`val/ratio` (and `loss/ptx_avg`). All are reduced over ranks.
+
+Resume continues the run exactly: weights, optimizer, scheduler and RNG come back through the Trainer; the KL
+controller and running reward statistics through their stateful callbacks; the prompt order through the seeded
+loader, which skips used prompts without generating; a rollout cut by the checkpoint from the per-rank experience
+file written into it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, set_seed
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from ..collators import PaddingCollator
+from ..configs import ModelConfig
+from ..data import prepare_sft_dataset
+from ..models import apply_lora, load_model, lora_config
+from ..ppo.callbacks import EpochFromStepCallback, KLControllerCallback, RewardStatsCallback, find_callback
+from ..ppo.config import PPOConfig
+from ..ppo.experience import Experience
+from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator
+from ..ppo.losses import policy_loss, value_loss
+from ..ppo.policy_value import PolicyAndValue, load_policy_and_value, response_logits, save_policy_and_value
+from ..ppo.rewards import ModelReward, build_reward_source
+from ..ppo.rollout import RolloutMaker
+from ..ppo.shared_base import add_value_adapter, resolve_value_adapter
+from ..reward_models import disable_dropout, unwrap_peft
+from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
+from .sft import SFTTrainer
+
+
+class PPOTrainer(Trainer):
+    """PPO with a value function, a KL-penalised reward and an adaptive or fixed KL coefficient.
+
+    Args:
+        model: the policy: a hub id or local path (loaded with `model_config`, 4-bit too), a causal LM or a `PeftModel`.
+        reward_model: a Python function `(prompts, completions, **row_fields) -> list[float]`; a reward model
+            (sequence classification with one label, or a `ValueHeadModel`) or its path; an endpoint,
+            `"http://host:port/path"` or `HTTPReward(url, timeout=...)` (protocol: `hf_rlhf.ppo.http_reward`);
+            or `RewardAdapter(path)` / `"adapter:<path>"`: a LoRA reward adapter from `RewardTrainer`, run on the
+            LoRA policy's own frozen base.
+        args: a `PPOConfig`.
+        train_dataset: rows with `prompt` (text or messages) or `messages`; other columns reach reward functions.
+        processing_class: the policy's tokenizer (default: loaded from the policy's path).
+        value_model: None for a value head on the policy; `"adapter"` or `ValueAdapter(peft_config)` for a value LoRA
+            adapter + value head on the policy's base; else a value model (or its path) as in `PolicyAndValue`.
+        ref_model: the reference. None: the policy with adapters disabled for a `PeftModel`, else a frozen copy of
+            the initial policy (kept outside the trained module, so it is not checkpointed).
+        reward_processing_class: the reward model's tokenizer, which may differ from the policy's.
+        peft_config / model_config: LoRA for the policy (`peft_config`, or from `model_config.use_peft`).
+        ptx_dataset: language-modelling data (any SFT format) for `PPOConfig.ptx_coef`.
+        callbacks: more `TrainerCallback`s.
+
+    One frozen base for all four roles (`hf_rlhf.ppo.shared_base`; reference = adapters off)::
+
+        PPOTrainer(model="sft-dir", reward_model=RewardAdapter("rm-lora-dir"), value_model="adapter", args=...,
+                   train_dataset=..., model_config=ModelConfig(use_peft=True, load_in_4bit=True))
+    """
+
+    loss_is_scaled_for_ga = True  # compute_loss divides by the minibatch's token count (see get_batch_samples)
+
+    def __init__(self, model, reward_model, args: PPOConfig | None = None, train_dataset=None, processing_class=None,
+                 value_model=None, ref_model=None, reward_processing_class=None, peft_config=None,
+                 model_config: ModelConfig | None = None, ptx_dataset=None, callbacks=None, **kwargs):
+        args = args if args is not None else PPOConfig(output_dir="ppo-output")
+        if not isinstance(args, PPOConfig):
+            raise TypeError(f"args must be a PPOConfig, got {type(args).__name__}.")
+        args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
+        if train_dataset is None:
+            raise ValueError("PPOTrainer needs a train_dataset of prompts.")
+        if kwargs.get("eval_dataset") is not None or args.eval_strategy != "no":
+            raise NotImplementedError("PPOTrainer has no evaluation loop: leave eval_strategy='no' and evaluate the "
+                                      "policy (trainer.model.policy) in a callback, e.g. with hf_rlhf.toy.exact_match.")
+        set_seed(args.seed)  # as the Trainer does, but before the value head (and a value adapter) are initialised
+        policy, model_config = SFTTrainer._load(model, model_config)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(unwrap_peft(policy).config._name_or_path)
+        if processing_class.pad_token is None:  # PPO tracks padding with masks, never by id: eos is safe (as TRL)
+            processing_class.pad_token = processing_class.eos_token
+        if processing_class.pad_token is None:
+            raise ValueError("the policy tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
+        if peft_config is None and model_config is not None:
+            peft_config = lora_config(model_config)
+        module, ref_model = self._build_models(policy, value_model, ref_model, peft_config, args)
+
+        reward_source = build_reward_source(reward_model, reward_processing_class, device=args.device,
+                                            batch_size=args.local_rollout_forward_batch_size,
+                                            policy=module.policy, policy_tokenizer=processing_class)
+        reward_stats = getattr(reward_source, "reward_stats", None)
+        if args.reward_normalization == "model_stats" and reward_stats is None:
+            raise ValueError("reward_normalization='model_stats' needs reward_mean / reward_std in the reward model's "
+                             "config (train it with RewardConfig(store_reward_stats=True)); a reward function has "
+                             "none: use 'running' or 'none'.")
+        train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args)
+        self.ptx_dataset = self._prepare_ptx(ptx_dataset, processing_class, args)
+        own = [KLControllerCallback(args.kl_coef, args.kl_target, args.kl_horizon), EpochFromStepCallback()]
+        if args.reward_normalization == "running":
+            own.append(RewardStatsCallback())
+        super().__init__(model=module, args=args, train_dataset=train_dataset, processing_class=processing_class,
+                         callbacks=own + list(callbacks or []), **kwargs)
+
+        self.ref_model = self._prepare_frozen(ref_model)
+        if isinstance(reward_source, ModelReward):
+            reward_source.model = self._prepare_frozen(reward_source.model)
+        self.reward_source = reward_source
+        self.rollout_maker = RolloutMaker(args, processing_class, reward_source, self.accelerator, self.ref_model,
+                                          reward_stats)
+        self._loader, self._resume_from, self._metrics = None, None, {}
+
+    @staticmethod
+    def _build_models(policy, value_model, ref_model, peft_config, args):
+        """(PolicyAndValue, reference or None): LoRA, the frozen reference copy, dropout off."""
+        if peft_config is not None:
+            policy = apply_lora(policy, peft_config, gradient_checkpointing=bool(args.activation_checkpointing))
+        if isinstance(ref_model, str):
+            ref_model = load_model(ModelConfig(model_name_or_path=ref_model))
+        elif ref_model is None and unwrap_peft(policy) is policy:  # a PeftModel's reference is its adapters off
+            ref_model = copy.deepcopy(policy)  # kept outside the trained module: never checkpointed
+        value_adapter = resolve_value_adapter(value_model)
+        if value_adapter is not None:
+            value_model, value_adapter = None, add_value_adapter(policy, value_adapter, args.activation_checkpointing)
+        elif isinstance(value_model, str):
+            value_model = AutoModelForSequenceClassification.from_pretrained(value_model, num_labels=1)
+        if args.disable_dropout:  # old log-probs come from eval mode: the first ratio must be exactly 1
+            for part in (policy, value_model):
+                if part is not None:
+                    disable_dropout(part)
+        return PolicyAndValue(policy, value_model, value_adapter=value_adapter), ref_model
+
+    @staticmethod
+    def _prepare_ptx(ptx_dataset, tokenizer, args):
+        if (ptx_dataset is None) != (args.ptx_coef == 0):
+            raise ValueError("ptx_coef > 0 needs a ptx_dataset, and a ptx_dataset needs ptx_coef > 0.")
+        if ptx_dataset is None:
+            return None
+        options = SimpleNamespace(max_length=None, overlong_policy="truncate", dataset_num_proc=args.dataset_num_proc)
+        return prepare_sft_dataset(ptx_dataset, tokenizer, options)
+
+    def _prepare_frozen(self, model):
+        if model is None:
+            return None
+        model = model.eval().requires_grad_(False)
+        if self.is_deepspeed_enabled:
+            from trl.models.utils import prepare_deepspeed
+
+            return prepare_deepspeed(model, self.accelerator)
+        return model.to(self.accelerator.device) if getattr(model, "hf_device_map", None) is None else model
+
+    # -- data: the experience loader -----------------------------------------------------------------
+    def get_train_dataloader(self) -> ExperienceLoader:
+        args, micro = self.args, self._train_batch_size  # the trainer's own: auto_find_batch_size may shrink it
+        minibatch = micro * args.gradient_accumulation_steps
+        if args.rollout_batch_size % minibatch:
+            raise ValueError(f"rollout_batch_size={args.rollout_batch_size} is not a multiple of micro-batch x "
+                             f"gradient_accumulation_steps = {micro} x {args.gradient_accumulation_steps}")
+        self._loader = ExperienceLoader(
+            self.train_dataset, self._make_experience, rollout_batch_size=args.rollout_batch_size,
+            micro_batch_size=micro, num_ppo_epochs=args.num_ppo_epochs,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            process_index=self.accelerator.process_index, num_processes=self.accelerator.num_processes,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            get_global_step=lambda: self.state.global_step, get_resume_dir=lambda: self._resume_from,
+            device=self.accelerator.device, extra_batch=self._ptx_batch if self.ptx_dataset is not None else None)
+        return self._loader
+
+    def _make_experience(self, rows, indices):
+        # looked up at each rollout: a checkpoint restore may have replaced these callbacks in the handler
+        kl = find_callback(self.callback_handler, KLControllerCallback).controller
+        stats_cb = find_callback(self.callback_handler, RewardStatsCallback)
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        experience, stats = self.rollout_maker.make(model, rows, kl.value, stats_cb and stats_cb.moments, indices)
+        kl.update(stats["objective/kl"], self.args.rollout_batch_size * self.accelerator.num_processes)
+        return experience, stats
+
+    def _ptx_batch(self, index: int) -> dict:
+        # rows drawn by the micro-batch's global index: the same on resume, without replaying anything
+        generator = seeded_generator(self.args.seed, self.accelerator.process_index, index, 2)
+        rows = torch.randint(len(self.ptx_dataset), (self._train_batch_size,), generator=generator).tolist()
+        batch = PaddingCollator(self.processing_class.pad_token_id)([self.ptx_dataset[i] for i in rows])
+        return {f"ptx_{key}": value.to(self.accelerator.device) for key, value in batch.items()}
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The minibatch's response tokens as `num_items_in_batch`: the loss is an exact token mean over it."""
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not batches:
+            return batches, None
+        tokens = sum(batch["response_mask"].sum() for batch in batches).float().to(device)
+        if self.args.average_tokens_across_devices and self.accelerator.num_processes > 1:
+            # DDP averages gradients over ranks, so each rank divides by its share of the global count
+            tokens = self.accelerator.reduce(tokens, reduction="sum") / self.accelerator.num_processes
+        return batches, tokens
+
+    # -- loss ----------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args, exp = self.args, Experience.from_dict(inputs)
+        mask = exp.response_mask
+        normalizer = num_items_in_batch if num_items_in_batch is not None else mask.sum()
+        extra = (inputs["ptx_input_ids"], inputs["ptx_attention_mask"]) if "ptx_input_ids" in inputs else None
+        logits, values, ptx_logits = response_logits(model, exp.query_ids, exp.query_mask, exp.response_ids, mask,
+                                                     args.temperature, extra_rows=extra)
+        logprobs = logprobs_from_logits(logits, exp.response_ids)
+        pg_loss, pg_stats = policy_loss(logprobs, exp.old_logprobs, exp.advantages, mask, args.cliprange, normalizer)
+        vf_loss, vf_stats = value_loss(values, exp.old_values, exp.returns, mask, args.cliprange_value, normalizer)
+        with torch.set_grad_enabled(args.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy = masked_sum(entropy_from_logits(logits), mask) / normalizer
+        loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * entropy
+
+        tokens = mask.sum().float()
+        per_token = {"loss/policy_avg": pg_loss * normalizer, "loss/value_avg": vf_loss * normalizer,
+                     "policy/entropy_avg": entropy * normalizer}
+        means = {"policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
+                 "val/clipfrac_avg": vf_stats["clipfrac"], "val/ratio": pg_stats["ratio"]}
+        for name, value in per_token.items():  # sums over this micro-batch's tokens
+            self._record(name, value, tokens)
+        for name, value in means.items():  # means over this micro-batch's tokens
+            self._record(name, value * tokens, tokens)
+        one = torch.ones((), device=tokens.device, dtype=torch.float64)
+        for name, value in inputs["rollout_stats"].items():
+            self._record(name, one * value, one)
+        if ptx_logits is not None:
+            labels = inputs["ptx_labels"][:, 1:]
+            ptx_loss = F.cross_entropy(ptx_logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+            loss = loss + args.ptx_coef * ptx_loss / self.current_gradient_accumulation_steps
+            self._record("loss/ptx_avg", ptx_loss, one)
+        return (loss, {"logits": logits, "values": values}) if return_outputs else loss
+
+    def _record(self, name: str, value_sum: torch.Tensor, weight: torch.Tensor) -> None:
+        # kept on the device: one transfer per log, not per micro-batch
+        pair = torch.stack([value_sum.detach().double().reshape(()), weight.detach().double().reshape(())])
+        self._metrics[name] = self._metrics[name] + pair if name in self._metrics else pair
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        if "loss" in logs and self._metrics:  # a training log: add the PPO metrics since the last one
+            names = sorted(self._metrics)
+            totals = torch.stack([self._metrics[name] for name in names]).to(self.accelerator.device)
+            totals = self.accelerator.reduce(totals, reduction="sum")  # every rank holds the same numbers
+            logs.update({name: (s / w).item() for name, (s, w) in zip(names, totals) if w > 0})
+            self._metrics = {}
+        super().log(logs, start_time)
+
+    # -- optimizer: the value function may get its own learning rate ---------------------------------
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        lr = self.args.value_learning_rate
+        if lr is not None:
+            module = self.accelerator.unwrap_model(model if model is not None else self.model)
+            names = module.value_parameter_names()
+            value_ids = {id(p) for name, p in module.named_parameters() if name in names}
+            for group in list(optimizer.param_groups):
+                value = [p for p in group["params"] if id(p) in value_ids]
+                if value:
+                    group["params"] = [p for p in group["params"] if id(p) not in value_ids]
+                    optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"},
+                                               "params": value, "lr": lr})
+        return optimizer
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # True: the Trainer raises
+        self._resume_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        # the current rollout's experience first (per rank): trainer_state.json, written last, marks a full checkpoint
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self._loader is not None:
+            self._loader.save_state(os.path.join(self._get_output_dir(trial=trial), folder))
+        super()._save_checkpoint(model, trial)
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        save_policy_and_value(self.accelerator.unwrap_model(self.model), output_dir, state_dict)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        load_policy_and_value(self.accelerator.unwrap_model(model if model is not None else self.model),
+                              resume_from_checkpoint)
