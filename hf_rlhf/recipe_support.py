@@ -13,15 +13,18 @@ from .configs import ModelConfig
 def parse_recipe_args(dataclass_types, argv: list[str] | None, toy_config: str):
     """Parse the command line (and `--config file.yaml`) into the given dataclasses.
 
-    With no arguments at all the recipe's toy YAML is used. Unknown options, on the command line or in
+    Without `--config`, `--model_name_or_path` or `--dataset_name` the run is the embedded toy task,
+    and the recipe's toy YAML supplies its defaults (other options given still win). Unknown options, on the command line or in
     the YAML file, are errors (trl's `TrlParser`, with `fail_with_unknown_args`).
     """
     from trl import TrlParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        print(f"[hf_rlhf] no arguments: running the embedded toy task ({os.path.relpath(toy_config)})")
-        argv = ["--config", toy_config]
+    real_run = any(a.split("=")[0] in ("--config", "--model_name_or_path", "--dataset_name") for a in argv)
+    if not real_run:
+        # the toy YAML holds the toy task's defaults; options given on the command line still win
+        print(f"[hf_rlhf] running the embedded toy task ({os.path.relpath(toy_config)})")
+        argv = ["--config", toy_config, *argv]
     parser = TrlParser(dataclass_types)
     return parser.parse_args_and_config(args=argv, fail_with_unknown_args=True)
 

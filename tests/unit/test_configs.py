@@ -40,7 +40,8 @@ def test_unknown_option_in_constructor_is_an_error(tmp_path):
 
 def test_unknown_option_on_command_line_is_an_error():
     with pytest.raises(ValueError, match="packign"):
-        parse_recipe_args((ModelConfig, SFTConfig), ["--output_dir", "x", "--packign", "true"], "unused.yaml")
+        parse_recipe_args((ModelConfig, SFTConfig),
+                          ["--model_name_or_path", "m", "--output_dir", "x", "--packign", "true"], "unused.yaml")
 
 
 def test_unknown_option_in_yaml_is_an_error(tmp_path):
@@ -88,3 +89,13 @@ def load_recipe(name):
     sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def test_toy_yaml_supplies_defaults_unless_a_real_run_is_asked_for(tmp_path):
+    toy = tmp_path / "toy.yaml"
+    toy.write_text("output_dir: toy-out\nlearning_rate: 0.002\n")
+    _, args = parse_recipe_args((ModelConfig, SFTConfig), ["--output_dir", "elsewhere"], str(toy))
+    assert args.learning_rate == 0.002 and args.output_dir == "elsewhere"
+    model_config, args = parse_recipe_args(
+        (ModelConfig, SFTConfig), ["--model_name_or_path", "some/model", "--output_dir", "x"], str(toy))
+    assert args.learning_rate == 2e-5 and model_config.model_name_or_path == "some/model"
