@@ -199,6 +199,8 @@ class RewardConfig(DeviceDefaultsMixin, TrainingArguments):
         store_reward_stats: after `train()`, compute the mean and std of the rewards of the train set's chosen and
             rejected sequences and store them as `config.reward_mean` / `config.reward_std` (written with the
             model, and to `reward_stats.json`), so that a PPO run can normalise scores.
+        reward_stats_num_samples: compute those statistics over this many training pairs drawn at random
+            (seeded by `seed`); None: all of them.
     """
 
     learning_rate: float = field(default=1e-4, metadata={"help": "The initial learning rate for AdamW."})
@@ -234,6 +236,9 @@ class RewardConfig(DeviceDefaultsMixin, TrainingArguments):
     store_reward_stats: bool = field(
         default=False, metadata={"help": "After training, store the train set's reward mean/std in the model config."}
     )
+    reward_stats_num_samples: int | None = field(
+        default=None, metadata={"help": "Training pairs (a seeded random sample) the reward stats use. None: all."}
+    )
 
     def __post_init__(self):
         self._resolve_device_defaults()
@@ -243,6 +248,9 @@ class RewardConfig(DeviceDefaultsMixin, TrainingArguments):
         if self.padding_free and self.prefix_sharing:
             raise ValueError("RewardConfig: padding_free and prefix_sharing are two different batch layouts; "
                              "choose one.")
+        if self.reward_stats_num_samples is not None and self.reward_stats_num_samples < 1:
+            raise ValueError(
+                f"RewardConfig.reward_stats_num_samples must be >= 1, got {self.reward_stats_num_samples}.")
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
             raise ValueError(f"RewardConfig.center_rewards_coefficient must be >= 0, got "
                              f"{self.center_rewards_coefficient}.")

@@ -215,13 +215,18 @@ class RewardTrainer(Trainer):
     # -- reward statistics for PPO -----------------------------------------------------------------
     def compute_reward_stats(self, dataset=None) -> dict[str, float]:
         """Mean and std (population) of the rewards of every chosen and rejected sequence in `dataset`
-        (default: the train set), stored in the model config as `reward_mean` / `reward_std`.
+        (default: the train set, or `reward_stats_num_samples` pairs of it drawn with `seed`), stored in the
+        model config as `reward_mean` / `reward_std`.
 
         The next `save_model` writes them to `config.json` (full models) and `reward_stats.json` (any model,
         LoRA adapters included); `hf_rlhf.reward_models.load_reward_stats(path)` reads them back.
         """
-        dataset = self.train_dataset if dataset is None else self._prepare(dataset, self.processing_class,
-                                                                             self.args, "reward_stats")
+        if dataset is None:
+            dataset, n = self.train_dataset, self.args.reward_stats_num_samples
+            if n is not None and n < len(dataset):
+                dataset = dataset.shuffle(seed=self.args.seed).select(range(n))
+        else:
+            dataset = self._prepare(dataset, self.processing_class, self.args, "reward_stats")
         rewards = torch.as_tensor(self.predict(dataset, metric_key_prefix="reward_stats").predictions).double()
         rewards = rewards.reshape(-1)
         return set_reward_stats(self.accelerator.unwrap_model(self.model), rewards.mean(), rewards.std(correction=0))

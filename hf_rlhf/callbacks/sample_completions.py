@@ -1,0 +1,91 @@
+"""`SampleCompletionsCallback`: greedy completions of a few fixed prompts at the start, every N steps and at the end,
+printed and appended to `<output_dir>/completions.jsonl`, so a run shows what the policy writes, not only numbers.
+
+The model comes with the callback event (`model=`): a causal LM, or a wrapper with a `.policy` (PPO's
+`PolicyAndValue`). Generation runs on the main process only (no collective ops; not for ZeRO-3 sharded weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+
+from transformers import TrainerCallback
+
+
+def _write_line(text: str) -> None:
+    # tqdm.write keeps an active progress bar intact; tqdm comes with transformers
+    try:
+        from tqdm.auto import tqdm
+
+        tqdm.write(text)
+    except ImportError:  # pragma: no cover
+        print(text)
+
+
+class SampleCompletionsCallback(TrainerCallback):
+    """Log greedy completions of `prompts` at step 0, every `every_n_steps` optimizer steps and at the end.
+
+    Args:
+        prompts: a few prompts (strings, or message lists rendered with the chat template).
+        every_n_steps: how often; None or 0: only at the start and the end.
+        max_new_tokens: generation length.
+        score_fn: optional `(prompts, completions) -> list[float]` (e.g. `hf_rlhf.toy.reward_fn`), logged as `score`.
+        filename: JSONL file inside `args.output_dir` (None: print only).
+
+    `history` holds every logged row: {"step", "prompt", "completion"[, "score"]}.
+    """
+
+    def __init__(self, prompts: Sequence, every_n_steps: int | None = None, max_new_tokens: int = 16,
+                 score_fn: Callable | None = None, filename: str | None = "completions.jsonl"):
+        if not prompts:
+            raise ValueError("SampleCompletionsCallback needs at least one prompt")
+        self.prompts, self.every_n_steps = list(prompts), every_n_steps
+        self.max_new_tokens, self.score_fn, self.filename = max_new_tokens, score_fn, filename
+        self.history: list[dict] = []
+        self._last_step: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._sample(args, state, **kwargs)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.every_n_steps and state.global_step % self.every_n_steps == 0:
+            self._sample(args, state, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._sample(args, state, **kwargs)
+
+    def _sample(self, args, state, model=None, processing_class=None, **kwargs):
+        if not state.is_world_process_zero or model is None or processing_class is None:
+            return
+        if self._last_step == state.global_step:  # e.g. the end falls on a sampling step
+            return
+        self._last_step = state.global_step
+        from ..toy.tasks import generate_completions  # generic greedy, left-padded batch generation
+
+        policy = getattr(model, "policy", model)
+        completions = generate_completions(policy, processing_class, self.prompts, self.max_new_tokens)
+        scores = self.score_fn(self.prompts, completions) if self.score_fn is not None else None
+        rows = []
+        for i, (prompt, completion) in enumerate(zip(self.prompts, completions)):
+            row = {"step": state.global_step, "prompt": prompt, "completion": completion}
+            if scores is not None:
+                row["score"] = float(scores[i])
+            rows.append(row)
+        self.history += rows
+        _write_line(f"[hf_rlhf] sample completions at step {state.global_step}:")
+        for row in rows:
+            score = f"  (score {row['score']:.3g})" if "score" in row else ""
+            _write_line(f"  {_show(row['prompt'])!s:>28} -> {row['completion']!r}{score}")
+        if self.filename:
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(os.path.join(args.output_dir, self.filename), "a") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+
+
+def _show(prompt) -> str:
+    if isinstance(prompt, list):  # a conversation: its last message
+        return prompt[-1]["content"]
+    return prompt

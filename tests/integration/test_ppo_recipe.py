@@ -1,0 +1,91 @@
+"""recipes/ppo.py end to end at a tiny size: builds a missing SFT policy, trains on the verifiable reward, writes
+results.json and the curves PNG. No accuracy is asserted (a few steps of a tiny model)."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+import yaml
+
+pytestmark = pytest.mark.integration
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny matmuls on a shared 2-core machine: a second intra-op thread spin-waits
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("recipe_ppo", os.path.join(ROOT, "recipes", "ppo.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_sft_config(tmp_path):
+    with open(os.path.join(ROOT, "recipes", "configs", "sft_toy.yaml")) as f:
+        config = yaml.safe_load(f)
+    config.update(toy_model_size="tiny", toy_train_size=64, toy_test_size=8, max_steps=2, logging_steps=1,
+                  per_device_train_batch_size=16, disable_tqdm=True)
+    path = tmp_path / "sft_tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_toy_recipe_builds_the_policy_trains_and_reports(recipe, tmp_path, capsys):
+    out, sft = tmp_path / "ppo", tmp_path / "sft"
+    argv = ["--config", os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml"), "--output_dir", str(out),
+            "--sft_model_path", str(sft), "--sft_config", tiny_sft_config(tmp_path), "--reward_source", "function",
+            "--toy_train_size", "32", "--toy_test_size", "8", "--per_device_train_batch_size", "4",
+            "--rollout_batch_size", "8", "--num_ppo_epochs", "1", "--logging_steps", "2", "--max_steps", "4",
+            "--sample_prompts", "2", "--sample_every", "2", "--disable_tqdm", "true"]
+    results = recipe.main(argv)
+
+    assert os.path.isfile(sft / "config.json")  # the missing SFT policy was built first
+    with open(out / "results.json") as f:
+        written = json.load(f)
+    assert written["before"] == results["before"] and written["after"] == results["after"]
+    for when in ("before", "after"):
+        assert set(written[when]) == {"exact_match", "score"}
+        assert 0.0 <= written[when]["exact_match"] <= 1.0
+        # the verifiable reward is the exact-match check itself
+        assert written[when]["score"] == pytest.approx(written[when]["exact_match"])
+    assert set(written["exact_match_by_task"]) == {"before", "after"}
+    kl = written["kl"]
+    assert {"final", "mean_second_half", "target", "coef_final", "within_25pct_second_half"} <= set(kl)
+    assert kl["target"] == pytest.approx(recipe.parse_recipe_args(
+        (recipe.ScriptArguments, recipe.ModelConfig, recipe.PPOConfig),
+        ["--config", recipe.TOY_CONFIG], "unused")[2].kl_target)
+    assert set(written["timings"]) >= {"sft_s", "ppo_s", "eval_s"}
+
+    png = written["plots"]["curves"]
+    assert os.path.dirname(png) == str(out) and os.path.basename(png) == "ppo_curves.png"
+    with open(png, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    assert os.path.isfile(out / "trainer_state.json") and os.path.isfile(out / "value" / "value_head.safetensors")
+    with open(out / "completions.jsonl") as f:
+        steps = sorted({json.loads(line)["step"] for line in f})
+    assert steps == [0, 2, 4]
+
+    printed = capsys.readouterr().out
+    assert f"sft model: {sft} is missing; building it now" in printed
+    assert "[hf_rlhf] PPO finished" in printed and f"plot (curves): {png}" in printed and "KL: final" in printed
+
+
+def test_reward_model_source_needs_a_model_when_building_is_off(recipe, tmp_path):
+    argv = ["--config", os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml"), "--output_dir",
+            str(tmp_path / "ppo"), "--sft_model_path", str(tmp_path / "none"), "--build_missing", "false"]
+    with pytest.raises(FileNotFoundError, match="no sft model at .*none; run recipes/sft.py first"):
+        recipe.main(argv)
