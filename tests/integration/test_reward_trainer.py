@@ -206,7 +206,6 @@ def test_value_head_init_training_and_reload(tmp_path, tokenizer, pairs):
 def test_lora_value_head_reloads_to_identical_rewards(tmp_path, tokenizer, pairs):
     base_dir = str(tmp_path / "base")
     build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(base_dir)
-    causal = AutoModelForSequenceClassification  # noqa: F841 (kept for symmetry with the seq-cls test)
     from transformers import AutoModelForCausalLM
 
     model = ValueHeadModel(AutoModelForCausalLM.from_pretrained(base_dir))
@@ -245,6 +244,13 @@ def test_reward_stats_are_stored_with_the_model(tmp_path, tokenizer, pairs):
     assert config["reward_mean"] == pytest.approx(mean, abs=1e-5)
     assert load_reward_stats(out) == {"reward_mean": metrics["reward_mean"], "reward_std": metrics["reward_std"]}
     assert AutoModelForSequenceClassification.from_pretrained(out).config.reward_std == metrics["reward_std"]
+
+    # a seeded sample of the train set, and any other dataset
+    trainer.args.reward_stats_num_samples = 8
+    sample = trainer.compute_reward_stats()
+    assert sample != {"reward_mean": mean, "reward_std": std} and sample == trainer.compute_reward_stats()
+    other = trainer.compute_reward_stats(pairs.select(range(40, 48)))
+    assert load_reward_stats(model) == other
 
 
 def test_conversational_pairs_with_margin_train(tmp_path, tokenizer):

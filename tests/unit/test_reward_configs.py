@@ -47,6 +47,8 @@ def test_validation(tmp_path):
         RewardConfig(output_dir=str(tmp_path), max_length=1)
     with pytest.raises(ValueError, match="center_rewards_coefficient"):
         RewardConfig(output_dir=str(tmp_path), center_rewards_coefficient=-1.0)
+    with pytest.raises(ValueError, match="reward_stats_num_samples"):
+        RewardConfig(output_dir=str(tmp_path), reward_stats_num_samples=0)
 
 
 def test_unknown_option_on_the_command_line_is_an_error():
