@@ -41,6 +41,9 @@ class ScriptArguments:
     toy_test_size: int = field(default=500, metadata={"help": "Toy task: held-out pairs for accuracy."})
     toy_conversational: bool = field(default=False, metadata={"help": "Toy task: pairs as chat messages."})
     toy_model_size: str = field(default="small", metadata={"help": "Toy model size.", "choices": ["tiny", "small"]})
+    toy_rejected_slip_rate: float = field(
+        default=0.0, metadata={"help": "Toy task: share of pairs whose rejected answer is the demonstrator's slip "
+                                       "(hf_rlhf.toy.tasks.slip_answer); the rest get a plausible wrong answer."})
     toy_seed: int = field(default=0, metadata={"help": "Seed of the toy data and the toy model's init."})
 
 
@@ -78,9 +81,11 @@ def main(argv: list[str] | None = None) -> dict:
         from hf_rlhf.toy import preference_dataset
 
         train = preference_dataset(script_args.toy_train_size, seed=script_args.toy_seed, split="train",
-                                   conversational=script_args.toy_conversational)
+                                   conversational=script_args.toy_conversational,
+                                   rejected_slip_rate=script_args.toy_rejected_slip_rate)
         test = preference_dataset(script_args.toy_test_size, seed=script_args.toy_seed, split="test",
-                                  conversational=script_args.toy_conversational)
+                                  conversational=script_args.toy_conversational,
+                                  rejected_slip_rate=script_args.toy_rejected_slip_rate)
     else:
         train, test = load_text_dataset(script_args)
 

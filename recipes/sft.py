@@ -40,6 +40,9 @@ class ScriptArguments:
             "choices": ["prompt_completion", "text", "messages", "conversational_prompt_completion"]})
     toy_model_size: str = field(default="small", metadata={"help": "Toy model size.", "choices": ["tiny", "small"]})
     toy_seed: int = field(default=0, metadata={"help": "Seed of the toy data and the toy model's init."})
+    toy_slip_rate: float = field(
+        default=0.0, metadata={"help": "Toy task: share of demonstrations with the demonstrator's systematic slip "
+                                       "(an answer copied from the prompt; hf_rlhf.toy.tasks.slip_answer)."})
 
 
 def toy_exact_match(model, tokenizer, rows) -> dict:
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         conversational = script_args.toy_format in ("messages", "conversational_prompt_completion")
         train = sft_dataset(script_args.toy_train_size, seed=script_args.toy_seed, split="train",
-                            format=script_args.toy_format)
+                            format=script_args.toy_format, slip_rate=script_args.toy_slip_rate)
         held_out = prompt_dataset(script_args.toy_test_size, seed=script_args.toy_seed, split="test",
                                   conversational=conversational)
         test = None

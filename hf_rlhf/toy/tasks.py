@@ -215,6 +215,29 @@ def wrong_answer(prompt: str, answer: str, rng: random.Random) -> str:
     return rng.choice(valid)
 
 
+def slip_answer(prompt: str, answer: str) -> str | None:
+    """The toy demonstrator's systematic slip: an answer copied from the prompt instead of worked out.
+
+    add / sub: the first operand; max: the first number listed; reverse / sort: the input letters unchanged;
+    count: the length of the string (every letter counted). None where the slip happens to be the right answer.
+    It stands for the systematic mistakes of human demonstrations that imitation learns and preferences expose:
+    SFT on slipped demonstrations (`sft_dataset(slip_rate=...)`) makes the slip a mode of the policy, a reward
+    model learns to reject it from pairs (`preference_dataset(rejected_slip_rate=...)`), and PPO has to move the
+    policy off it, which the verifiable exact match measures.
+    """
+    task = task_of(prompt)
+    body = prompt.rstrip("=")
+    if task in ("add", "sub"):
+        slip = re.split(r"[+-]", body)[0]
+    elif task == "max":
+        slip = body.split()[1]
+    elif task in ("reverse", "sort"):
+        slip = body.split()[-1]
+    else:  # count c in s
+        slip = str(len(body.split()[-1]))
+    return None if slip == answer else slip
+
+
 # ---------------------------------------------------------------------------------------------
 # dataset builders
 # ---------------------------------------------------------------------------------------------
@@ -230,17 +253,28 @@ def _assistant(text: str) -> list[dict]:
     return [{"role": "assistant", "content": text}]
 
 
-def sft_dataset(n: int, seed: int = 0, split: str = "train", format: str = "prompt_completion"):
+def sft_dataset(n: int, seed: int = 0, split: str = "train", format: str = "prompt_completion",
+                slip_rate: float = 0.0):
     """Supervised examples in one of the TRL dataset formats.
 
     Args:
         format: "prompt_completion" (prompt, completion: str), "text" (prompt + completion),
             "messages" (a user and an assistant message) or "conversational_prompt_completion"
             (prompt: [user message], completion: [assistant message]). No format contains eos.
+        slip_rate: the share of rows (seeded) whose completion is the demonstrator's `slip_answer`
+            instead of the right one (rows where the slip is right keep the answer).
     """
     from datasets import Dataset
 
+    if not 0.0 <= slip_rate <= 1.0:
+        raise ValueError(f"slip_rate must be in [0, 1], got {slip_rate}")
     rows = make_tasks(n, seed, split)
+    if slip_rate > 0:
+        rng = random.Random(f"hf_rlhf.toy.slip:{seed}:{split}")
+        for r in rows:
+            slip = slip_answer(r["prompt"], r["answer"])
+            if rng.random() < slip_rate and slip is not None:
+                r["answer"] = slip
     if format == "prompt_completion":
         cols = {"prompt": [r["prompt"] for r in rows], "completion": [r["answer"] for r in rows]}
     elif format == "text":
@@ -257,8 +291,13 @@ def sft_dataset(n: int, seed: int = 0, split: str = "train", format: str = "prom
     return Dataset.from_dict(cols)
 
 
-def preference_dataset(n: int, seed: int = 0, split: str = "train", conversational: bool = False):
-    """Pairs whose chosen completion is the correct answer and rejected a plausible wrong one.
+def preference_dataset(n: int, seed: int = 0, split: str = "train", conversational: bool = False,
+                       rejected_slip_rate: float = 0.0):
+    """Pairs whose chosen completion is the correct answer and rejected a wrong one.
+
+    Args:
+        rejected_slip_rate: the share of pairs (seeded) whose rejected answer is the demonstrator's
+            `slip_answer`; the others (and pairs where the slip is right) get a plausible `wrong_answer`.
 
     Returns:
         a `datasets.Dataset` with "prompt", "chosen", "rejected" (strings, or message lists when
@@ -266,9 +305,15 @@ def preference_dataset(n: int, seed: int = 0, split: str = "train", conversation
     """
     from datasets import Dataset
 
+    if not 0.0 <= rejected_slip_rate <= 1.0:
+        raise ValueError(f"rejected_slip_rate must be in [0, 1], got {rejected_slip_rate}")
     rows = make_tasks(n, seed, split)
     rng = random.Random(f"hf_rlhf.toy.rejected:{seed}:{split}")
-    rejected = [wrong_answer(r["prompt"], r["answer"], rng) for r in rows]
+    rejected = []
+    for r in rows:
+        slip = slip_answer(r["prompt"], r["answer"]) if rejected_slip_rate > 0 else None
+        use_slip = rejected_slip_rate > 0 and rng.random() < rejected_slip_rate and slip is not None
+        rejected.append(slip if use_slip else wrong_answer(r["prompt"], r["answer"], rng))
     wrap_p, wrap_c = (_user, _assistant) if conversational else (str, str)
     return Dataset.from_dict(
         {

@@ -20,7 +20,7 @@ from hf_rlhf.toy import (
     sft_dataset,
     toy_model_config,
 )
-from hf_rlhf.toy.tasks import FAMILIES, task_of, wrong_answer
+from hf_rlhf.toy.tasks import FAMILIES, slip_answer, task_of, wrong_answer
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,36 @@ def test_wrong_answers_are_wrong_and_plausible():
         assert wrong and wrong != r["answer"] and not is_correct(wrong, r["answer"])
         if r["task"] in ("add", "sub", "max", "count"):
             assert wrong.isdigit()
+
+
+@pytest.mark.parametrize("prompt, answer, slip", [
+    ("37+45=", "82", "37"), ("83-45=", "38", "83"), ("7+0=", "7", None), ("max 37 82 15=", "82", "37"),
+    ("max 82 37=", "82", None), ("reverse kqbd=", "dbqk", "kqbd"), ("reverse aba=", "aba", None),
+    ("sort kqbd=", "bdkq", "kqbd"), ("count a in abca=", "2", "4"), ("count a in aaaa=", "4", None),
+])
+def test_slip_answer_copies_from_the_prompt(prompt, answer, slip):
+    assert slip_answer(prompt, answer) == slip
+
+
+def test_slipped_demonstrations_and_slip_rejected_pairs():
+    clean = sft_dataset(2000, seed=3)
+    slipped = sft_dataset(2000, seed=3, slip_rate=0.5)
+    assert list(slipped["prompt"]) == list(clean["prompt"])
+    assert list(slipped["completion"]) == list(sft_dataset(2000, seed=3, slip_rate=0.5)["completion"])  # seeded
+    changed = [(p, c) for p, c, a in zip(slipped["prompt"], slipped["completion"], clean["completion"]) if c != a]
+    assert all(c == slip_answer(p, answer_for_prompt(p)) for p, c in changed)
+    assert 0.4 < len(changed) / 2000 < 0.5  # half the rows, less those whose slip is the right answer
+    assert list(sft_dataset(300, seed=3, slip_rate=0.0)["completion"]) == list(clean["completion"][:300])
+
+    pairs = preference_dataset(1000, seed=3, rejected_slip_rate=1.0)
+    slips = [slip_answer(p, c) for p, c in zip(pairs["prompt"], pairs["chosen"])]
+    assert all(r == s for r, s in zip(pairs["rejected"], slips) if s is not None)
+    assert all(r != c and not is_correct(r, c) for r, c in zip(pairs["rejected"], pairs["chosen"]))
+    assert sum(s is None for s in slips) < 100  # the fallback (a plausible wrong answer) is rare
+    with pytest.raises(ValueError, match="slip_rate"):
+        sft_dataset(10, slip_rate=1.5)
+    with pytest.raises(ValueError, match="rejected_slip_rate"):
+        preference_dataset(10, rejected_slip_rate=-0.1)
 
 
 def test_dataset_formats():
