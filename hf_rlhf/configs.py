@@ -9,6 +9,10 @@ Device-dependent defaults: `bf16` and `activation_checkpointing` (formerly
 `__post_init__`: on CUDA both are on (as in TRL); on CPU both are off, because bf16 autocast plus
 gradient checkpointing ran SFT at 0.55-0.58x the fp32 speed on a 2-core CPU. Passing either
 explicitly always wins.
+
+Multi-process runs without CUDA (`torchrun` or `accelerate launch --config_file ddp.yaml`, no DeepSpeed) set
+`use_cpu=True`: only then does accelerate form a gloo process group on CPU; without it every process trains alone
+on all the data and they all write the same output directory.
 """
 
 from __future__ import annotations
@@ -111,6 +115,21 @@ class DeviceDefaultsMixin:
             self.activation_checkpointing = _cuda_available() and not self.use_cpu
         if not _cuda_available():
             self.dataloader_pin_memory = False  # pinning needs an accelerator; torch warns otherwise
+            if _launched_multi_process() and not _deepspeed_launch(self):
+                self.use_cpu = True  # else accelerate finds no GPU, forms no process group: W lone runs
+
+
+def _launched_multi_process() -> bool:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _deepspeed_launch(args) -> bool:
+    # DeepSpeed runs on CPU through its own init (gloo); use_cpu would switch it off in TrainingArguments
+    import os
+
+    return bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 @dataclass
