@@ -98,13 +98,26 @@ class Runs:
         key = (engine, task)
         if key not in self.done:
             out = self.root / f"{engine or 'single'}-{task}"
+            extra = ["--policy_path", self.policy_dir()] if task == "ppo" else []
             wall = run(launch_cmd(engine, "--task", task, "--out", str(out), "--steps", str(STEPS),
-                                  "--global_batch", str(GLOBAL_BATCH)), out)
+                                  "--global_batch", str(GLOBAL_BATCH), *extra), out)
             result = {"out": out, "wall_s": wall, **json.loads((out / "losses.json").read_text())}
             result["ranks"] = [json.loads((out / f"rank{r}.json").read_text())
                                for r in range(result["world_size"])]
             self.done[key] = result
         return self.done[key]
+
+
+    def policy_dir(self) -> str:
+        """The toy policy saved once: PPO loads it by path, so ZeRO-3 shards it while loading (zero.Init)."""
+        path = self.root / "policy"
+        if not (path / "config.json").is_file():
+            from hf_rlhf.toy import build_toy_model
+
+            tokenizer = _tokenizer()
+            build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+        return str(path)
 
 
 @pytest.fixture(scope="session")

@@ -66,7 +66,7 @@ def common_args(out: str, steps: int, per_device: int) -> dict:
                 dataloader_num_workers=0)
 
 
-def build_trainer(task: str, out: str, steps: int, per_device: int):
+def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path: str | None = None):
     from hf_rlhf import ModelConfig, PPOConfig, PPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
     from hf_rlhf.callbacks import PlotCallback, SampleCompletionsCallback
     from hf_rlhf.toy import (build_toy_model, build_toy_reward_model, build_toy_tokenizer, preference_dataset,
@@ -91,8 +91,9 @@ def build_trainer(task: str, out: str, steps: int, per_device: int):
                              train_dataset=preference_dataset(256, seed=1, split="train"))
     # PPO: full policy (a frozen reference copy) with a value head; one rollout = one optimizer step, so the micro-
     # batch order inside a rollout (seeded per rank) changes only the order of a sum; adaptive KL with a short
-    # horizon so that β moves at every rollout
-    model = build_toy_model(tokenizer, "tiny", seed=0)
+    # horizon so that β moves at every rollout. From a path (`policy_path`) the policy loads after its config, i.e.
+    # sharded by zero.Init under ZeRO-3, and the frozen reference is loaded again from that path
+    model = policy_path or build_toy_model(tokenizer, "tiny", seed=0)
     args = PPOConfig(**common, learning_rate=3e-3, gradient_accumulation_steps=2, rollout_batch_size=2 * per_device,
                      num_ppo_epochs=1, response_length=6, temperature=1.0, generation_kwargs={"do_sample": False},
                      kl_coef=0.05, kl_target=0.01, kl_horizon=16, reward_normalization="running")
@@ -128,6 +129,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--global_batch", type=int, default=8)
+    parser.add_argument("--policy_path", help="ppo: load the policy from this directory (else the toy model)")
     opts, rest = parser.parse_known_args(argv)
     torch.set_num_threads(1)  # tiny matmuls: a second thread only spin-waits
     writes = record_writes(opts.out)
@@ -139,7 +141,8 @@ def main(argv=None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if opts.global_batch % world:
         raise SystemExit(f"global_batch {opts.global_batch} is not divisible by {world} processes")
-    trainer = build_trainer(opts.task, os.path.join(opts.out, "out"), opts.steps, opts.global_batch // world)
+    trainer = build_trainer(opts.task, os.path.join(opts.out, "out"), opts.steps, opts.global_batch // world,
+                            opts.policy_path)
     trainer.train()
     trainer.save_model()
     trainer.save_state()
