@@ -7,8 +7,6 @@ it never reach a result, so NaN or inf there (padding logits, say) cannot leak i
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 
@@ -77,7 +75,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
-                  all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                  all_reduce_sum=None) -> torch.Tensor:
     """Normalise `x` to mean 0 and variance 1 over the masked positions (as `trl.core.masked_whiten`).
 
     Statistics use the masked positions only (unbiased variance); positions outside the mask are
@@ -88,9 +86,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
         mask: broadcastable to `x`; nonzero = keep.
         shift_mean: if False, the mean is added back (scale only), as TRL does for rewards.
         eps: added to the variance before the square root.
-        all_reduce_sum: sums a tensor over processes (e.g. `lambda t: accelerator.reduce(t, "sum")`): the mean
-            and variance are then those of every process's masked positions together, so W processes whiten
-            exactly as one process holding the whole batch would. None: this process's positions only.
+        all_reduce_sum: `tensor -> tensor`, the sum over processes (e.g. `lambda t: accelerator.reduce(t, "sum")`):
+            the mean and variance are then those of every process's masked positions together, so W processes
+            whiten exactly as one process holding the whole batch would. None: this process's positions only.
 
     Returns:
         Tensor of the shape of `x`.
