@@ -9,6 +9,10 @@ Device-dependent defaults: `bf16` and `activation_checkpointing` (formerly
 `__post_init__`: on CUDA both are on (as in TRL); on CPU both are off, because bf16 autocast plus
 gradient checkpointing ran SFT at 0.55-0.58x the fp32 speed on a 2-core CPU. Passing either
 explicitly always wins.
+
+Multi-process runs without CUDA set `use_cpu=True` (`torchrun`, or `accelerate launch` with the DDP config), or
+`ddp_backend="gloo"` (DeepSpeed): only then does accelerate count the processes of the gloo group on CPU; without
+it every process trains alone on all the data, and they all write the same output directory.
 """
 
 from __future__ import annotations
@@ -111,6 +115,24 @@ class DeviceDefaultsMixin:
             self.activation_checkpointing = _cuda_available() and not self.use_cpu
         if not _cuda_available():
             self.dataloader_pin_memory = False  # pinning needs an accelerator; torch warns otherwise
+            if _launched_multi_process():  # else accelerate counts 1 process: W lone runs on all the data
+                if not _deepspeed_launch(self):
+                    self.use_cpu = True  # accelerate's MULTI_CPU (gloo) group
+                elif self.ddp_backend is None:
+                    self.ddp_backend = "gloo"  # DeepSpeed's group is gloo on CPU; accelerate must be told to count it
+
+
+def _launched_multi_process() -> bool:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _deepspeed_launch(args) -> bool:
+    # DeepSpeed runs on CPU through its own init (gloo); use_cpu would switch it off in TrainingArguments
+    import os
+
+    return bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 @dataclass

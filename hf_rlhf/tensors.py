@@ -74,7 +74,8 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var * (n / (n - 1)) if unbiased else var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  all_reduce_sum=None) -> torch.Tensor:
     """Normalise `x` to mean 0 and variance 1 over the masked positions (as `trl.core.masked_whiten`).
 
     Statistics use the masked positions only (unbiased variance); positions outside the mask are
@@ -85,11 +86,22 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
         mask: broadcastable to `x`; nonzero = keep.
         shift_mean: if False, the mean is added back (scale only), as TRL does for rewards.
         eps: added to the variance before the square root.
+        all_reduce_sum: `tensor -> tensor`, the sum over processes (e.g. `lambda t: accelerator.reduce(t, "sum")`):
+            the mean and variance are then those of every process's masked positions together, so W processes
+            whiten exactly as one process holding the whole batch would. None: this process's positions only.
 
     Returns:
         Tensor of the shape of `x`.
     """
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    if all_reduce_sum is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:  # the same two passes as masked_mean / masked_var, with the sums taken over all processes
+        kept, keep = _keep(x, mask)
+        count, total = all_reduce_sum(torch.stack([keep.sum().to(x.dtype), kept.sum()])).unbind()
+        if count < 2:
+            raise ValueError(f"masked_whiten needs at least 2 masked elements over all processes, found {int(count)}")
+        mean = total / count
+        var = all_reduce_sum(masked_sum((x - mean).square(), mask)) / (count - 1)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from trl.models.utils import unwrap_model_for_generation
 
 from hf_rlhf import ModelConfig, PPOConfig, PPOTrainer
 from hf_rlhf.callbacks import NonFiniteStopCallback, PlotCallback, SampleCompletionsCallback
@@ -238,8 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
             return {}
         start = time.perf_counter()
         policy = trainer.accelerator.unwrap_model(trainer.model).policy
-        result = evaluate(policy, tokenizer, held_out, trainer.reward_source, training_args.response_length,
-                          training_args.per_device_eval_batch_size, toy)
+        with unwrap_model_for_generation(policy, trainer.accelerator) as policy:  # ZeRO-3: every rank, gathered
+            result = evaluate(policy, tokenizer, held_out, trainer.reward_source, training_args.response_length,
+                              training_args.per_device_eval_batch_size, toy)
         timings["eval_s"] = round(timings.get("eval_s", 0.0) + time.perf_counter() - start, 1)
         return result
 

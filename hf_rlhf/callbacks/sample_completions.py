@@ -2,7 +2,9 @@
 printed and appended to `<output_dir>/completions.jsonl`, so a run shows what the policy writes, not only numbers.
 
 The model comes with the callback event (`model=`): a causal LM, or a wrapper with a `.policy` (PPO's
-`PolicyAndValue`). Generation runs on the main process only (no collective ops; not for ZeRO-3 sharded weights).
+`PolicyAndValue`). Generation runs on the main process only, except under DeepSpeed ZeRO-3: there every forward
+gathers the sharded weights collectively, so every rank generates (transformers' `synced_gpus`) and the main
+process alone prints and writes.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ class SampleCompletionsCallback(TrainerCallback):
         self._sample(args, state, **kwargs)
 
     def _sample(self, args, state, model=None, processing_class=None, **kwargs):
-        if not state.is_world_process_zero or model is None or processing_class is None:
+        if model is None or processing_class is None:
+            return
+        if not state.is_world_process_zero and not _sharded_zero3(args):
             return
         if self._last_step == state.global_step:  # e.g. the end falls on a sampling step
             return
@@ -66,6 +70,8 @@ class SampleCompletionsCallback(TrainerCallback):
 
         policy = getattr(model, "policy", model)
         completions = generate_completions(policy, processing_class, self.prompts, self.max_new_tokens)
+        if not state.is_world_process_zero:  # a ZeRO-3 rank that only took part in the gathers
+            return
         scores = self.score_fn(self.prompts, completions) if self.score_fn is not None else None
         rows = []
         for i, (prompt, completion) in enumerate(zip(self.prompts, completions)):
@@ -83,6 +89,13 @@ class SampleCompletionsCallback(TrainerCallback):
             with open(os.path.join(args.output_dir, self.filename), "a") as f:
                 for row in rows:
                     f.write(json.dumps(row) + "\n")
+
+
+def _sharded_zero3(args) -> bool:
+    """True when the weights are ZeRO-3 shards over several processes (a forward is then a collective op)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return args.world_size > 1 and is_deepspeed_zero3_enabled()
 
 
 def _show(prompt) -> str:

@@ -93,15 +93,21 @@ class RolloutMaker:
         kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator)
         scores = self._shape_scores(raw_scores, stopped, reward_moments)
         rewards = per_token_rewards(scores, kl, response_mask, kl_coef)
-        enough = response_mask.sum() > 1  # whitening needs two tokens for a variance
+        # whitening statistics over every rank's tokens: W ranks whiten as one process with the global batch would
+        reduce = self._all_reduce_sum if self.accelerator.num_processes > 1 else None
+        tokens = response_mask.sum() if reduce is None else reduce(response_mask.sum().float())
+        enough = tokens > 1  # whitening needs two tokens for a variance
         if args.whiten_rewards and enough:
-            rewards = masked_whiten(rewards, response_mask, shift_mean=False)
+            rewards = masked_whiten(rewards, response_mask, shift_mean=False, all_reduce_sum=reduce)
         advantages, returns = gae(rewards, old_values, response_mask, args.gamma, args.lam)
         if args.whiten_advantages and enough:
-            advantages = masked_whiten(advantages, response_mask)
+            advantages = masked_whiten(advantages, response_mask, all_reduce_sum=reduce)
         experience = Experience(query_ids, query_mask, response_ids, response_mask, old_logprobs, ref_logprobs,
                                 old_values, scores, rewards, advantages, returns)
         return experience, self._stats(experience, kl, raw_scores, stopped, kl_coef)
+
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction="sum")
 
     # -- steps ---------------------------------------------------------------------------------------
     def _generate(self, policy, query_ids, query_mask) -> torch.LongTensor:

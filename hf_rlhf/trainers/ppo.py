@@ -49,6 +49,21 @@ from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
 from .sft import SFTTrainer
 
 
+def _reference_copy(policy):
+    """A frozen copy of the initial policy.
+
+    Under ZeRO-3, `from_pretrained` shards the weights as it loads them (`zero.Init`); a deepcopy of those shards is no
+    model, so the reference is loaded again from the policy's directory (and sharded the same way).
+    """
+    if not any(hasattr(p, "ds_id") for p in policy.parameters()):
+        return copy.deepcopy(policy)
+    path = policy.config._name_or_path
+    if not path:
+        raise ValueError("the policy's weights are ZeRO-3 shards and it has no path to load a reference copy from: "
+                         "pass ref_model (a path or a model)")
+    return load_model(ModelConfig(model_name_or_path=path, dtype=str(policy.dtype).removeprefix("torch.")))
+
+
 class PPOTrainer(Trainer):
     """PPO with a value function, a KL-penalised reward and an adaptive or fixed KL coefficient.
 
@@ -135,7 +150,7 @@ class PPOTrainer(Trainer):
         if isinstance(ref_model, str):
             ref_model = load_model(ModelConfig(model_name_or_path=ref_model))
         elif ref_model is None and unwrap_peft(policy) is policy:  # a PeftModel's reference is its adapters off
-            ref_model = copy.deepcopy(policy)  # kept outside the trained module: never checkpointed
+            ref_model = _reference_copy(policy)  # kept outside the trained module: never checkpointed
         value_adapter = resolve_value_adapter(value_model)
         if value_adapter is not None:
             value_model, value_adapter = None, add_value_adapter(policy, value_adapter, args.activation_checkpointing)

@@ -19,7 +19,7 @@ import logging
 import os
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, set_seed
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from ..collators import PairwiseCollator
@@ -102,6 +102,7 @@ class RewardTrainer(Trainer):
             peft_config = lora_config(model_config, task_type="CAUSAL_LM" if isinstance(model, ValueHeadModel)
                                       else "SEQ_CLS")  # SEQ_CLS: peft trains and saves `score` with the adapter
         if peft_config is not None:
+            set_seed(args.seed)  # the adapter init: the same on every rank and in every run (the Trainer seeds later)
             checkpointing = bool(args.activation_checkpointing)
             if isinstance(model, ValueHeadModel):  # the head stays outside the adapter, trained in full
                 model.pretrained_model = apply_lora(model.pretrained_model, peft_config, checkpointing)

@@ -13,7 +13,7 @@ import logging
 import time
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, Trainer
+from transformers import AutoTokenizer, PreTrainedModel, Trainer, set_seed
 
 from ..collators import PackingCollator, PaddingCollator
 from ..configs import ModelConfig, SFTConfig
@@ -80,6 +80,7 @@ class SFTTrainer(Trainer):
         peft_config = peft_config if peft_config is not None else (
             lora_config(model_config) if model_config is not None else None)
         if peft_config is not None:
+            set_seed(args.seed)  # the adapter init: the same on every rank and in every run (the Trainer seeds later)
             model = apply_lora(model, peft_config, gradient_checkpointing=bool(args.activation_checkpointing))
 
         train_dataset = self._prepare(train_dataset, processing_class, args, "train")

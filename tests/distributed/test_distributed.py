@@ -1,0 +1,244 @@
+"""Two processes on CPU (gloo) under DDP, DeepSpeed ZeRO-2 and ZeRO-3, through `accelerate launch` and the configs in
+`recipes/accelerate/`: each trainer's per-step losses equal a single-process run on the same global batch, the saved
+outputs reload in one process, and per-rank state (KL coefficient, files) is what it must be.
+
+Each run is `tests/distributed/worker.py` in a subprocess (see its docstring); the single-process reference is the
+same worker run with plain `python`, without DeepSpeed. Tolerance 1e-4 on the losses, and on logits of the reloaded
+models: the runs are deterministic (fp32, no dropout, fixed seeds, greedy PPO rollouts), and the only difference
+left is the order of floating-point sums (gradients all-reduced over 2 ranks, each rank's micro-batches padded to
+its own longest row); the differences measured are ~5e-7.
+
+DeepSpeed JIT-compiles its CPU Adam once (30-80 s) into $TORCH_EXTENSIONS_DIR, which is kept as set (CI sets
+~/.cache/hf_rlhf/torch_extensions, and it defaults to that here too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "worker.py"
+CONFIGS = ROOT / "recipes" / "accelerate"
+STEPS, GLOBAL_BATCH, TOLERANCE = 4, 8, 1e-4
+ENGINES = ("ddp", "deepspeed_zero2", "deepspeed_zero3")
+TASKS = ("sft", "sft_lora", "reward", "ppo")
+
+
+def _has_deepspeed() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:  # ImportError, or a broken install (e.g. no compiler)
+        return False
+    return True
+
+
+needs_deepspeed = pytest.mark.skipif(not _has_deepspeed(), reason="deepspeed is not importable: "
+                                     "pip install 'hf-rlhf[deepspeed]' to run the ZeRO tests")
+
+
+def engine_param(engine: str):
+    return pytest.param(engine, marks=needs_deepspeed) if engine.startswith("deepspeed") else engine
+
+
+def launch_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)  # this checkout first
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hf_rlhf/torch_extensions"))  # CI's cache
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    return env
+
+
+def run(cmd: list[str], out: Path, timeout: int = 600) -> float:
+    """Run `cmd`, fail with the end of its log; return the wall time in seconds."""
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+    wall = time.perf_counter() - start
+    (out / "log.txt").write_text(proc.stdout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
+    return wall
+
+
+def free_port() -> int:
+    """A free TCP port for the rendezvous (other jobs on the machine may hold accelerate's default 29500)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_cmd(engine: str | None, *worker_args: str) -> list[str]:
+    """`accelerate launch` on 2 processes with a recipes/accelerate config, CPU overrides; None: plain python."""
+    if engine is None:
+        return [sys.executable, str(WORKER), *worker_args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{engine}.yaml"),
+            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()), str(WORKER),
+            *worker_args]
+
+
+class Runs:
+    """Launch each (engine, task) once per session; engine None is the single-process reference."""
+
+    def __init__(self, root: Path):
+        self.root, self.done = root, {}
+
+    def get(self, engine: str | None, task: str) -> dict:
+        key = (engine, task)
+        if key not in self.done:
+            out = self.root / f"{engine or 'single'}-{task}"
+            extra = ["--policy_path", self.policy_dir()] if task == "ppo" else []
+            wall = run(launch_cmd(engine, "--task", task, "--out", str(out), "--steps", str(STEPS),
+                                  "--global_batch", str(GLOBAL_BATCH), *extra), out)
+            result = {"out": out, "wall_s": wall, **json.loads((out / "losses.json").read_text())}
+            result["ranks"] = [json.loads((out / f"rank{r}.json").read_text())
+                               for r in range(result["world_size"])]
+            self.done[key] = result
+        return self.done[key]
+
+
+    def policy_dir(self) -> str:
+        """The toy policy saved once: PPO loads it by path, so ZeRO-3 shards it while loading (zero.Init)."""
+        path = self.root / "policy"
+        if not (path / "config.json").is_file():
+            from hf_rlhf.toy import build_toy_model
+
+            tokenizer = _tokenizer()
+            build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+        return str(path)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("distributed"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------------
+# reloading what a run saved, in this process
+
+
+def _tokenizer():
+    from hf_rlhf.toy import build_toy_tokenizer
+
+    return build_toy_tokenizer()
+
+
+def _inputs(tokenizer):
+    batch = tokenizer(["1+2=3", "abc reversed is cba", "7*8="], padding=True, return_tensors="pt")
+    return batch["input_ids"], batch["attention_mask"]
+
+
+@torch.no_grad()
+def reloaded_outputs(task: str, out: Path) -> torch.Tensor:
+    """Logits (or rewards) of the model saved in `out`, reloaded in this process from the saved files alone."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_rlhf.toy import build_toy_model, build_toy_reward_model
+
+    tokenizer = _tokenizer()
+    ids, mask = _inputs(tokenizer)
+    if task in ("sft", "ppo"):
+        model = AutoModelForCausalLM.from_pretrained(out).eval()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        if task == "ppo":  # the value head beside it, a (1, hidden) linear
+            head = load_file(out / "value" / "value_head.safetensors")
+            assert {k: v.shape for k, v in head.items()}["weight"] == (1, model.config.hidden_size)
+            logits = torch.cat([logits.flatten(), head["weight"].flatten()])
+        return logits
+    if task == "sft_lora":
+        model = PeftModel.from_pretrained(build_toy_model(tokenizer, "tiny", seed=0), out).eval()
+        return model(input_ids=ids, attention_mask=mask).logits
+    # reward: the LoRA adapter with its trained score head (modules_to_save)
+    model = PeftModel.from_pretrained(build_toy_reward_model(tokenizer, "tiny", seed=0), out).eval()
+    base_rewards = build_toy_reward_model(tokenizer, "tiny", seed=0).eval()(input_ids=ids, attention_mask=mask).logits
+    rewards = model(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(rewards, base_rewards, atol=1e-4), "the reloaded reward adapter / head is untrained"
+    return rewards
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("engine", [engine_param(e) for e in ENGINES])
+def test_two_processes_match_one(runs, engine, task):
+    """2 ranks x (global batch / 2) rows give the single-process run's losses, and the saved model reloads to it."""
+    single, multi = runs.get(None, task), runs.get(engine, task)
+    assert multi["world_size"] == 2 and single["world_size"] == 1
+    assert len(multi["loss"]) == len(single["loss"]) == STEPS
+    diff = max(abs(a - b) for a, b in zip(multi["loss"], single["loss"]))
+    print(f"\n[matrix] {task} x {engine}: pass, {multi['wall_s']:.1f} s, max |loss diff| {diff:.2e}")
+    assert diff <= TOLERANCE, (multi["loss"], single["loss"])
+    assert single["loss"][-1] != single["loss"][0]  # it trained
+
+    # saved by rank 0 with the weights gathered (ZeRO-3), reloaded here: the single-process run's model
+    torch.testing.assert_close(reloaded_outputs(task, multi["out"] / "out"),
+                               reloaded_outputs(task, single["out"] / "out"), atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("engine", [engine_param(e) for e in ENGINES])
+def test_kl_coefficient_equal_on_all_ranks(runs, engine):
+    """The adaptive controller sees the KL averaged over ranks: after 4 rollouts every rank holds the same β, and it is
+    the single-process run's β (ranks see different prompts, so a per-rank KL would give different coefficients)."""
+    multi, single = runs.get(engine, "ppo"), runs.get(None, "ppo")
+    coefs = [rank["kl_coef"] for rank in multi["ranks"]]
+    assert coefs[0] != 0.05, "the controller never moved: the test would not see a per-rank KL"
+    assert coefs[0] == coefs[1], coefs
+    assert coefs[0] == pytest.approx(single["ranks"][0]["kl_coef"], rel=1e-5)
+    logged = [h["objective/kl_coef"] for h in multi["log_history"] if "objective/kl_coef" in h]
+    assert logged == pytest.approx([h["objective/kl_coef"] for h in single["log_history"] if "objective/kl_coef" in h],
+                                   rel=1e-5)
+
+
+@pytest.mark.parametrize("engine", [engine_param(e) for e in ENGINES])
+def test_only_rank0_writes_files(runs, engine):
+    """Plots, sample completions, the trainer state and the model are written by rank 0 alone, once."""
+    multi = runs.get(engine, "ppo")
+    rank0, rank1 = (set(rank["writes"]) for rank in multi["ranks"])
+    assert {"out/ppo_curves.png", "out/completions.jsonl", "out/trainer_state.json", "out/config.json"} <= rank0
+    assert not rank1, f"rank 1 wrote {sorted(rank1)}"
+    rows = (multi["out"] / "out" / "completions.jsonl").read_text().splitlines()
+    assert len(rows) == 2 * 2  # 2 prompts at the start and at the end, not once per rank
+
+
+def test_ppo_recipe_writes_results_once(runs, tmp_path):
+    """recipes/ppo.py on 2 DDP ranks: results.json and the plot come from rank 0 only; the others write nothing."""
+    from hf_rlhf.toy import build_toy_model
+
+    tokenizer = _tokenizer()
+    sft_dir = tmp_path / "sft"
+    build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(sft_dir)
+    tokenizer.save_pretrained(sft_dir)
+    out = tmp_path / "run"
+    run(launch_cmd("ddp", "--recipe", "ppo", "--out", str(out), "--output_dir", str(out / "ppo"),
+                   "--sft_model_path", str(sft_dir), "--reward_source", "function", "--toy_train_size", "32",
+                   "--toy_test_size", "8", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                   "--rollout_batch_size", "4", "--num_ppo_epochs", "1", "--logging_steps", "1",
+                   "--per_device_eval_batch_size", "8", "--sample_prompts", "2"), out)
+    rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert {"ppo/results.json", "ppo/ppo_curves.png", "ppo/completions.jsonl"} <= set(rank0["writes"])
+    assert not rank1["writes"], f"rank 1 wrote {rank1['writes']}"
+    results = json.loads((out / "ppo" / "results.json").read_text())
+    assert results["after"] == rank0["after"] == rank1["after"]  # every rank evaluated the same policy

@@ -1,0 +1,166 @@
+"""One tiny training run for the distributed tests, launched by `torchrun` / `accelerate launch` (or plain python).
+
+    python tests/distributed/worker.py --task {sft,sft_lora,reward,ppo} --out DIR [--steps 4] [--global_batch 8]
+    python tests/distributed/worker.py --recipe ppo --out DIR <recipe options>   # records who writes what
+
+The same global batch in every launch: each of the W processes takes `global_batch / W` rows per step (the PPO
+rollout: `global_batch / W` prompts per rank). Everything is deterministic: fp32, dropout 0 (the toy models have
+none), fixed seeds, and greedy generation in PPO (sampled responses would depend on how the prompts are split over
+the ranks' random generators). Writes:
+
+  DIR/losses.json     rank 0: {"loss": [per optimizer step], "log_history": [...], "world_size": W}
+  DIR/rank<r>.json    every rank: {"kl_coef": β at the end (PPO), "writes": [files this rank opened for writing]}
+  DIR/out/            the saved model (trainer.save_model), then plots / completions / trainer_state.json (rank 0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+TASKS = ("sft", "sft_lora", "reward", "ppo")
+
+
+def record_writes(root: str) -> list[str]:
+    """Every file or directory under `root` this process opens for writing, renames or creates (an audit hook).
+
+    Python's own `open`, `os.open`, `os.rename`/`os.replace` and `os.mkdir` raise audit events (PEP 578); writes
+    done in native code (safetensors) do not, but those go through the Trainer's `should_save` guard.
+    """
+    root = os.path.abspath(root)
+    writes: list[str] = []
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND
+
+    def under_root(path) -> str | None:
+        if isinstance(path, int) or path is None:
+            return None
+        path = os.path.abspath(os.fsdecode(path))
+        return os.path.relpath(path, root) if path.startswith(root + os.sep) else None
+
+    def hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            writing = any(c in (mode or "") for c in "wax+") or (mode is None and flags & write_flags)
+            if writing and (rel := under_root(path)) is not None:
+                writes.append(rel)
+        elif event in ("os.rename", "os.mkdir"):
+            if (rel := under_root(args[1] if event == "os.rename" else args[0])) is not None:
+                writes.append(rel)
+
+    sys.addaudithook(hook)
+    return writes
+
+
+def digit_reward(prompts, completions, **kwargs):
+    """A reward that varies with the random policy's text (the toy answers are never right at first)."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def common_args(out: str, steps: int, per_device: int) -> dict:
+    return dict(output_dir=out, per_device_train_batch_size=per_device, max_steps=steps, logging_steps=1,
+                save_strategy="no", report_to="none", seed=0, disable_tqdm=True, warmup_steps=0, bf16=False,
+                dataloader_num_workers=0)
+
+
+def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path: str | None = None):
+    from hf_rlhf import ModelConfig, PPOConfig, PPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+    from hf_rlhf.callbacks import PlotCallback, SampleCompletionsCallback
+    from hf_rlhf.toy import (build_toy_model, build_toy_reward_model, build_toy_tokenizer, preference_dataset,
+                             prompt_dataset, sft_dataset)
+
+    tokenizer = build_toy_tokenizer()
+    common = common_args(out, steps, per_device)
+    lora = ModelConfig(use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0)
+    # each model is built before its config: a config made under a ZeRO-3 launch switches on `zero.Init`, and the toy
+    # builders' weight init cannot run on its empty shards (the DeepSpeed engine shards the model instead)
+    if task in ("sft", "sft_lora"):
+        model = build_toy_model(tokenizer, "tiny", seed=0)
+        args = SFTConfig(**common, learning_rate=1e-2 if task == "sft_lora" else 3e-3, max_length=64)
+        return SFTTrainer(model, args=args, processing_class=tokenizer,
+                          train_dataset=sft_dataset(256, seed=1, split="train"),
+                          model_config=lora if task == "sft_lora" else None,
+                          callbacks=[PlotCallback(["loss"], filename="loss.png")])
+    if task == "reward":  # LoRA with the score head trained and saved with the adapter (modules_to_save)
+        model = build_toy_reward_model(tokenizer, "tiny", seed=0)
+        args = RewardConfig(**common, learning_rate=1e-2, max_length=64)
+        return RewardTrainer(model, args=args, processing_class=tokenizer, model_config=lora,
+                             train_dataset=preference_dataset(256, seed=1, split="train"))
+    # PPO: full policy (a frozen reference copy) with a value head; one rollout = one optimizer step, so the micro-
+    # batch order inside a rollout (seeded per rank) changes only the order of a sum; adaptive KL with a short
+    # horizon so that β moves at every rollout. From a path (`policy_path`) the policy loads after its config, i.e.
+    # sharded by zero.Init under ZeRO-3, and the frozen reference is loaded again from that path
+    model = policy_path or build_toy_model(tokenizer, "tiny", seed=0)
+    args = PPOConfig(**common, learning_rate=3e-3, gradient_accumulation_steps=2, rollout_batch_size=2 * per_device,
+                     num_ppo_epochs=1, response_length=6, temperature=1.0, generation_kwargs={"do_sample": False},
+                     kl_coef=0.05, kl_target=0.01, kl_horizon=16, reward_normalization="running")
+    return PPOTrainer(model, digit_reward, args=args, train_dataset=prompt_dataset(64, seed=0),
+                      processing_class=tokenizer,
+                      callbacks=[PlotCallback(["objective/kl", "objective/kl_coef"], filename="ppo_curves.png"),
+                                 SampleCompletionsCallback(["1+2=", "3*4="], max_new_tokens=4)])
+
+
+def run_recipe(name: str, out: str, recipe_argv: list[str], writes: list[str]) -> None:
+    """`recipes/<name>.py`'s main(recipe_argv), then this rank's recorded writes into `out/rank<r>.json`."""
+    import importlib.util
+
+    from accelerate import PartialState
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    results = module.main(recipe_argv)
+    state = PartialState()
+    state.wait_for_everyone()
+    recorded = sorted(set(writes))
+    with open(os.path.join(out, f"rank{state.process_index}.json"), "w") as f:
+        json.dump({"writes": recorded, "after": results.get("after", {})}, f)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--task", choices=TASKS)
+    parser.add_argument("--recipe", choices=("sft", "reward", "ppo"), help="run this recipe; other options go to it")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--global_batch", type=int, default=8)
+    parser.add_argument("--policy_path", help="ppo: load the policy from this directory (else the toy model)")
+    opts, rest = parser.parse_known_args(argv)
+    torch.set_num_threads(1)  # tiny matmuls: a second thread only spin-waits
+    writes = record_writes(opts.out)
+    if opts.recipe:
+        return run_recipe(opts.recipe, opts.out, rest, writes)
+    if opts.task is None or rest:
+        parser.error(f"give --task (unknown options: {rest})")
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if opts.global_batch % world:
+        raise SystemExit(f"global_batch {opts.global_batch} is not divisible by {world} processes")
+    trainer = build_trainer(opts.task, os.path.join(opts.out, "out"), opts.steps, opts.global_batch // world,
+                            opts.policy_path)
+    trainer.train()
+    trainer.save_model()
+    trainer.save_state()
+
+    from hf_rlhf.ppo.callbacks import KLControllerCallback, find_callback
+
+    kl = find_callback(trainer.callback_handler, KLControllerCallback)
+    rank = trainer.args.process_index
+    history = trainer.state.log_history
+    if trainer.is_world_process_zero():
+        with open(os.path.join(opts.out, "losses.json"), "w") as f:
+            json.dump({"loss": [h["loss"] for h in history if "loss" in h], "log_history": history,
+                       "world_size": trainer.args.world_size}, f, indent=1)
+    trainer.accelerator.wait_for_everyone()
+    recorded = sorted(set(writes))  # copied before this file is written (the hook keeps recording)
+    with open(os.path.join(opts.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"kl_coef": kl.controller.value if kl is not None else None, "writes": recorded}, f)
+
+
+if __name__ == "__main__":
+    main()
