@@ -126,11 +126,8 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -235,6 +232,7 @@ def test_ppo_recipe_writes_results_once(runs, tmp_path):
     run(launch_cmd("ddp", "--recipe", "ppo", "--out", str(out), "--output_dir", str(out / "ppo"),
                    "--sft_model_path", str(sft_dir), "--reward_source", "function", "--toy_train_size", "32",
                    "--toy_test_size", "8", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                   "--gradient_accumulation_steps", "1",
                    "--rollout_batch_size", "4", "--num_ppo_epochs", "1", "--logging_steps", "1",
                    "--per_device_eval_batch_size", "8", "--sample_prompts", "2"), out)
     rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))

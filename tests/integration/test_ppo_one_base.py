@@ -23,11 +23,8 @@ BASE_WEIGHT = "model.layers.0.self_attn.q_proj.base_layer.weight"  # a frozen ba
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    # tiny matmuls on a shared 2-core machine: a second intra-op thread spin-waits
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +44,7 @@ def test_toy_recipe_builds_the_policy_trains_and_reports(recipe, tmp_path, capsy
     out, sft = tmp_path / "ppo", tmp_path / "sft"
     argv = ["--config", os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml"), "--output_dir", str(out),
             "--sft_model_path", str(sft), "--sft_config", tiny_sft_config(tmp_path), "--reward_source", "function",
-            "--toy_train_size", "32", "--toy_test_size", "8", "--per_device_train_batch_size", "4",
+            "--toy_train_size", "32", "--toy_test_size", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
             "--rollout_batch_size", "8", "--num_ppo_epochs", "1", "--logging_steps", "2", "--max_steps", "4",
             "--sample_prompts", "2", "--sample_every", "2", "--disable_tqdm", "true"]
     results = recipe.main(argv)

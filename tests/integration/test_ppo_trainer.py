@@ -29,12 +29,8 @@ TRL_METRICS = ["objective/kl", "objective/entropy", "objective/non_score_reward"
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    # tiny matmuls on a shared 2-core machine: a second intra-op thread spin-waits (~80x slower per Linear here)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
