@@ -42,13 +42,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
 TRL_VERSION = "1.12.0"
 GROUPS = {"hf_rlhf": "speed", "hf_rlhf_value_head": "speed", "trl": "speed", "hf_rlhf_one_base": "memory",
@@ -439,15 +440,10 @@ def trl_side_install() -> str:
 
 
 def run_worker(name: str, cli: argparse.Namespace, model_dir: str, trl_dir: str | None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", name, "--threads", str(cli.threads), "--model-dir", model_dir]
-    cmd += ["--quick"] if cli.quick else []
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    if name.startswith("trl"):  # TRL 1.12 first on the path: `import trl` must give it, not the installed TRL
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [trl_dir, env.get("PYTHONPATH")]))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"worker {name} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # TRL 1.12 first on the path for TRL's runs: `import trl` must give it, not the installed TRL
+    return harness.run_worker(__file__, ["--worker", name, "--threads", str(cli.threads), "--model-dir", model_dir]
+                              + (["--quick"] if cli.quick else []),
+                              extra_pythonpath=trl_dir if name.startswith("trl") else None)
 
 
 def check_same_work(runs: list[dict], settings: dict) -> None:
@@ -602,25 +598,10 @@ def main(argv: list[str] | None = None) -> None:
           + "\n\nMedian seconds of `train()` by phase:\n\n" + tables["phase_table"]
           + "\n\nMemory (median MB):\n\n" + tables["memory_table"] + f"\n\nReproduce: `{command}`")
 
-    out = {"command": command, "settings": settings, "common": COMMON, "configs": configs, "summary": summary,
-           **tables, "notes": notes, "runs": runs,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                       "versions": versions()}}
-    Path(cli.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(cli.output).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {cli.output}")
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"trl_baseline": TRL_VERSION}
-    for package in ("torch", "transformers", "trl", "accelerate", "peft", "datasets"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = None
-    return found
+    harness.write_report(cli.output, {"command": command, "settings": settings, "common": COMMON, "configs": configs,
+                                      "summary": summary, **tables, "notes": notes, "runs": runs},
+                         harness.versions(("torch", "transformers", "trl", "accelerate", "peft", "datasets"),
+                                          trl_baseline=TRL_VERSION))
 
 
 if __name__ == "__main__":

@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
 DEFAULT_CONFIGS = ("padded", "padding_free", "prefix_sharing", "trl")
 EXTRA_CONFIGS = ("trl_defaults",)
@@ -119,13 +118,8 @@ def worker(name: str, settings: dict, threads: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------- parent side
 def run_worker(name: str, cli: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--worker", name, "--threads", str(cli.threads)]
-    cmd += ["--quick"] if cli.quick else []
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"worker {name} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return harness.run_worker(__file__, ["--worker", name, "--threads", str(cli.threads)]
+                              + (["--quick"] if cli.quick else []))
 
 
 def check_same_work(runs: list[dict], settings: dict) -> None:
@@ -220,25 +214,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{n} {', '.join(f'{x:.2f}' for x in e['ratios_vs_trl'])}" for n, e in summary.items() if n != REFERENCE))
     print("\n" + table + "\n\n" + "\n".join(f"- {n}" for n in notes) + f"\n\nReproduce: `{command}`")
 
-    out = {"command": command, "settings": settings, "configs": configs, "summary": summary, "table": table,
-           "notes": notes, "runs": runs,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                       "versions": versions()}}
-    Path(cli.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(cli.output).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {cli.output}")
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for package in ("torch", "transformers", "trl", "datasets", "accelerate"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = None
-    return found
+    harness.write_report(cli.output, {"command": command, "settings": settings, "configs": configs,
+                                      "summary": summary, "table": table, "notes": notes, "runs": runs},
+                         harness.versions(("torch", "transformers", "trl", "datasets", "accelerate")))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""What every benchmark here shares: one subprocess per run, and the JSON report with the machine it ran on.
+
+The benchmarks run as scripts (`python bench/<name>.py`), so they import this module as `harness`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_worker(script: str, args: list[str], extra_pythonpath: str | None = None) -> dict:
+    """Run `python <script> <args>` in a fresh process and return the JSON object on its last stdout line.
+
+    Args:
+        extra_pythonpath: a directory put first on the worker's PYTHONPATH (a side-installed reference library).
+
+    Raises:
+        RuntimeError: the worker failed; the message ends with its stderr.
+    """
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if extra_pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_pythonpath, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"worker {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def versions(packages: tuple[str, ...], **fixed: str) -> dict:
+    """Installed versions of `packages` (None when missing), after the `fixed` entries."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict = dict(fixed)
+    for package in packages:
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def write_report(path: str, report: dict, versions: dict) -> None:
+    """Write `report` plus the machine (cores, platform, Python, `versions`) as JSON to `path`, and say where."""
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+               "versions": versions}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({**report, "machine": machine}, indent=2) + "\n")
+    print(f"wrote {path}")
