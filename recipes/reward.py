@@ -91,7 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     trainer = RewardTrainer(model, args=training_args, train_dataset=train, eval_dataset=test,
                             processing_class=tokenizer, model_config=model_config)
-    before = _accuracy(trainer) if test is not None else {}
+    # Under DeepSpeed, transformers 5.23 evaluates through an inference-only engine that train() cannot use
+    # afterwards, so the untrained model is not evaluated there (results.json says so).
+    skip_before = trainer.is_deepspeed_enabled
+    before = _accuracy(trainer) if test is not None and not skip_before else {}
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
 
@@ -99,6 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     after.update({k: v for k, v in train_result.metrics.items() if k in ("reward_mean", "reward_std")})
     results = {"before": before, "after": after, "train": train_result.metrics, "start": start,
                "task": "toy" if toy else script_args.dataset_name}
+    if skip_before and test is not None:
+        results["notes"] = ["before: not evaluated under DeepSpeed (evaluate() before train() breaks training)"]
     if trainer.is_world_process_zero():
         write_results(training_args.output_dir, results)
         print_outputs("Reward modelling", training_args.output_dir, results)
