@@ -240,3 +240,24 @@ def test_ppo_recipe_writes_results_once(runs, tmp_path):
     assert not rank1["writes"], f"rank 1 wrote {rank1['writes']}"
     results = json.loads((out / "ppo" / "results.json").read_text())
     assert results["after"] == rank0["after"] == rank1["after"]  # every rank evaluated the same policy
+
+
+def test_reward_recipe_trains_under_zero2(tmp_path):
+    """recipes/reward.py under ZeRO-2: no evaluate() before train() (it would leave an inference-only DeepSpeed
+    engine that training cannot use), the accuracy after training is reported, rank 0 alone writes results.json."""
+    from hf_rlhf.toy import build_toy_model
+
+    tokenizer = _tokenizer()
+    base = tmp_path / "sft"
+    build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    out = tmp_path / "run"
+    run(launch_cmd("deepspeed_zero2", "--recipe", "reward", "--out", str(out), "--output_dir", str(out / "reward"),
+                   "--sft_model_path", str(base), "--toy_train_size", "64", "--toy_test_size", "16",
+                   "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8",
+                   "--reward_stats_num_samples", "16", "--disable_tqdm", "true"), out)
+    rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert "reward/results.json" in rank0["writes"] and not rank1["writes"]
+    results = json.loads((out / "reward" / "results.json").read_text())
+    assert results["before"] == {} and "DeepSpeed" in results["notes"][0]
+    assert 0.0 <= results["after"]["accuracy"] <= 1.0 and results["after"]["loss"] > 0
