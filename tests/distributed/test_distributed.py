@@ -220,14 +220,19 @@ def test_only_rank0_writes_files(runs, engine):
     assert len(rows) == 2 * 2  # 2 prompts at the start and at the end, not once per rank
 
 
-def test_ppo_recipe_writes_results_once(runs, tmp_path):
-    """recipes/ppo.py on 2 DDP ranks: results.json and the plot come from rank 0 only; the others write nothing."""
+def _toy_model_dir(path: Path) -> Path:
+    """A tiny toy causal LM and its tokenizer saved at `path` (what a recipe loads as its SFT model)."""
     from hf_rlhf.toy import build_toy_model
 
     tokenizer = _tokenizer()
-    sft_dir = tmp_path / "sft"
-    build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(sft_dir)
-    tokenizer.save_pretrained(sft_dir)
+    build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_ppo_recipe_writes_results_once(runs, tmp_path):
+    """recipes/ppo.py on 2 DDP ranks: results.json and the plot come from rank 0 only; the others write nothing."""
+    sft_dir = _toy_model_dir(tmp_path / "sft")
     out = tmp_path / "run"
     run(launch_cmd("ddp", "--recipe", "ppo", "--out", str(out), "--output_dir", str(out / "ppo"),
                    "--sft_model_path", str(sft_dir), "--reward_source", "function", "--toy_train_size", "32",
@@ -245,12 +250,7 @@ def test_ppo_recipe_writes_results_once(runs, tmp_path):
 def test_reward_recipe_trains_under_zero2(tmp_path):
     """recipes/reward.py under ZeRO-2: no evaluate() before train() (it would leave an inference-only DeepSpeed
     engine that training cannot use), the accuracy after training is reported, rank 0 alone writes results.json."""
-    from hf_rlhf.toy import build_toy_model
-
-    tokenizer = _tokenizer()
-    base = tmp_path / "sft"
-    build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(base)
-    tokenizer.save_pretrained(base)
+    base = _toy_model_dir(tmp_path / "sft")
     out = tmp_path / "run"
     run(launch_cmd("deepspeed_zero2", "--recipe", "reward", "--out", str(out), "--output_dir", str(out / "reward"),
                    "--sft_model_path", str(base), "--toy_train_size", "64", "--toy_test_size", "16",
