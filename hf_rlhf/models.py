@@ -104,6 +104,33 @@ def load_model(model_config: ModelConfig, model_class=AutoModelForCausalLM, **kw
     return model_class.from_pretrained(model_config.model_name_or_path, **init)
 
 
+
+def resolve_model(model, model_config: ModelConfig | None, model_class=AutoModelForCausalLM, **kwargs):
+    """A trainer's `model` argument as a module: a path is loaded with `load_model` (and `model_config`).
+
+    Returns:
+        (model, model_config): `model_config` is created from the path when None, and gets the path as its
+        `model_name_or_path` when it has none.
+
+    Raises:
+        TypeError: `model` is neither a path nor an `nn.Module`.
+        ValueError: `model_config` asks for 4/8-bit loading of a model that is already built.
+    """
+    import torch
+
+    if isinstance(model, str):
+        if model_config is None:
+            model_config = ModelConfig(model_name_or_path=model)
+        elif model_config.model_name_or_path is None:
+            model_config.model_name_or_path = model
+        return load_model(model_config, model_class, **kwargs), model_config
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a path, a PreTrainedModel or a PeftModel, got {type(model).__name__}.")
+    if model_config is not None and (model_config.load_in_4bit or model_config.load_in_8bit):
+        raise ValueError("model_config asks for 4/8-bit loading, but the model is already built; "
+                         "load it quantized yourself or pass the model as a path.")
+    return model, model_config
+
 def load_tokenizer(model_config: ModelConfig, padding_side: str = "right"):
     return AutoTokenizer.from_pretrained(
         model_config.model_name_or_path,

@@ -34,7 +34,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..collators import PaddingCollator
 from ..configs import ModelConfig
 from ..data import prepare_sft_dataset
-from ..models import apply_lora, load_model, lora_config
+from ..models import apply_lora, load_model, lora_config, resolve_model
 from ..ppo.callbacks import EpochFromStepCallback, KLControllerCallback, RewardStatsCallback, find_callback
 from ..ppo.config import PPOConfig
 from ..ppo.experience import Experience
@@ -46,7 +46,6 @@ from ..ppo.rollout import RolloutMaker
 from ..ppo.shared_base import add_value_adapter, resolve_value_adapter
 from ..reward_models import disable_dropout, unwrap_peft
 from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
-from .sft import SFTTrainer
 
 
 def _reference_copy(policy):
@@ -107,7 +106,7 @@ class PPOTrainer(Trainer):
             raise NotImplementedError("PPOTrainer has no evaluation loop: leave eval_strategy='no' and evaluate the "
                                       "policy (trainer.model.policy) in a callback, e.g. with hf_rlhf.toy.exact_match.")
         set_seed(args.seed)  # as the Trainer does, but before the value head (and a value adapter) are initialised
-        policy, model_config = SFTTrainer._load(model, model_config)
+        policy, model_config = resolve_model(model, model_config)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(unwrap_peft(policy).config._name_or_path)
         if processing_class.pad_token is None:  # PPO tracks padding with masks, never by id: eos is safe (as TRL)

@@ -26,7 +26,7 @@ from ..collators import PairwiseCollator
 from ..configs import ModelConfig, RewardConfig
 from ..data import ensure_pad_token
 from ..losses import pairwise_metric_sums, pairwise_metrics_from_sums, pairwise_reward_loss
-from ..models import apply_lora, load_model, lora_config
+from ..models import apply_lora, lora_config, resolve_model
 from ..preference_data import prepare_preference_dataset
 from ..reward_models import (
     ValueHeadModel,
@@ -89,7 +89,7 @@ class RewardTrainer(Trainer):
         args = args if args is not None else RewardConfig(output_dir="reward-output")
         if not isinstance(args, RewardConfig):
             raise TypeError(f"args must be a RewardConfig, got {type(args).__name__}.")
-        model, model_config = self._load(model, model_config)
+        model, model_config = resolve_model(model, model_config, AutoModelForSequenceClassification, num_labels=1)
         find_score_head(model)  # a model that cannot give one reward per sequence fails here, not mid-training
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(reward_config_of(model)._name_or_path)
@@ -135,22 +135,6 @@ class RewardTrainer(Trainer):
         self._metric_sums = None
 
     # -- setup ---------------------------------------------------------------------------------
-    @staticmethod
-    def _load(model, model_config):
-        if isinstance(model, str):
-            if model_config is None:
-                model_config = ModelConfig(model_name_or_path=model)
-            elif model_config.model_name_or_path is None:
-                model_config.model_name_or_path = model
-            model = load_model(model_config, AutoModelForSequenceClassification, num_labels=1)
-        elif not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a path, a PreTrainedModel, a ValueHeadModel or a PeftModel, got "
-                            f"{type(model).__name__}.")
-        elif model_config is not None and (model_config.load_in_4bit or model_config.load_in_8bit):
-            raise ValueError("model_config asks for 4/8-bit loading, but the model is already built; "
-                             "load it quantized yourself or pass the model as a path.")
-        return model, model_config
-
     @staticmethod
     def _check_layout(model, args):
         attn = getattr(reward_config_of(model), "_attn_implementation", None)

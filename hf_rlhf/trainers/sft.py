@@ -13,12 +13,12 @@ import logging
 import time
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, Trainer, set_seed
+from transformers import AutoTokenizer, Trainer, set_seed
 
 from ..collators import PackingCollator, PaddingCollator
 from ..configs import ModelConfig, SFTConfig
 from ..data import ensure_pad_token, prepare_sft_dataset, resolve_chat_template
-from ..models import apply_lora, load_model, lora_config
+from ..models import apply_lora, lora_config, resolve_model
 
 logger = logging.getLogger("hf_rlhf")
 
@@ -70,7 +70,7 @@ class SFTTrainer(Trainer):
         args = args if args is not None else SFTConfig(output_dir="sft-output")
         if not isinstance(args, SFTConfig):
             raise TypeError(f"args must be an SFTConfig, got {type(args).__name__}.")
-        model, model_config = self._load(model, model_config)
+        model, model_config = resolve_model(model, model_config)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         resolve_chat_template(processing_class, args.chat_template_path)
@@ -105,21 +105,6 @@ class SFTTrainer(Trainer):
         self._last_log = (time.perf_counter(), 0)
 
     # -- setup ---------------------------------------------------------------------------------
-    @staticmethod
-    def _load(model, model_config):
-        if isinstance(model, str):
-            if model_config is None:
-                model_config = ModelConfig(model_name_or_path=model)
-            elif model_config.model_name_or_path is None:
-                model_config.model_name_or_path = model
-            model = load_model(model_config)
-        elif not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a path, a PreTrainedModel or a PeftModel, got {type(model).__name__}.")
-        elif model_config is not None and (model_config.load_in_4bit or model_config.load_in_8bit):
-            raise ValueError("model_config asks for 4/8-bit loading, but the model is already built; "
-                             "load it quantized yourself or pass the model as a path.")
-        return model, model_config
-
     @staticmethod
     def _prepare(dataset, tokenizer, args, name):
         if dataset is None:
