@@ -14,7 +14,7 @@ from hf_rlhf.ppo.config import PPOConfig
 from hf_rlhf.ppo.rewards import ModelReward
 from hf_rlhf.ppo.shared_base import REWARD_ADAPTER, VALUE_ADAPTER, AdapterReward, RewardAdapter, adapter_scope
 from hf_rlhf.reward_models import ValueHeadModel, backbone_of
-from hf_rlhf.toy import build_toy_model, build_toy_tokenizer, preference_dataset, prompt_dataset
+from hf_rlhf.toy import build_toy_model, preference_dataset, prompt_dataset
 from hf_rlhf.trainers.ppo import PPOTrainer
 
 pytestmark = pytest.mark.integration
@@ -25,16 +25,6 @@ BASE_WEIGHT = "model.layers.0.self_attn.q_proj.base_layer.weight"  # a frozen ba
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     """Every test here on one torch thread (tests/conftest.py)."""
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_toy_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return prompt_dataset(16, seed=0)
 
 
 @pytest.fixture(scope="module")

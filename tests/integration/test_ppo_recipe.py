@@ -7,7 +7,6 @@ import os
 import sys
 
 import pytest
-import torch
 import yaml
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ from hf_rlhf.ppo.config import PPOConfig
 from hf_rlhf.ppo.reward_server import RewardServer
 from hf_rlhf.ppo.http_reward import HTTPReward
 from hf_rlhf.ppo.rewards import RewardError
-from hf_rlhf.toy import build_toy_model, build_toy_tokenizer, prompt_dataset
+from hf_rlhf.toy import build_toy_model
 from hf_rlhf.trainers.ppo import PPOTrainer
 
 pytestmark = pytest.mark.integration
@@ -20,16 +20,6 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     """Every test here on one torch thread (tests/conftest.py)."""
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_toy_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return prompt_dataset(16, seed=0)
 
 
 def make_args(tmp_path, **kw):

@@ -15,7 +15,6 @@ from hf_rlhf.trainers.ppo import PPOTrainer
 from hf_rlhf.toy import (
     build_toy_model,
     build_toy_reward_model,
-    build_toy_tokenizer,
     prompt_dataset,
     reward_fn,
     sft_dataset,
@@ -31,16 +30,6 @@ TRL_METRICS = ["objective/kl", "objective/entropy", "objective/non_score_reward"
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     """Every test here on one torch thread (tests/conftest.py)."""
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_toy_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return prompt_dataset(16, seed=0)
 
 
 def make_args(tmp_path, **kw):

@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification
 
 from hf_rlhf import ModelConfig, RewardConfig, RewardTrainer
 from hf_rlhf.reward_models import ValueHeadModel, get_rewards, load_reward_stats
-from hf_rlhf.toy import build_toy_model, build_toy_reward_model, build_toy_tokenizer, preference_dataset
+from hf_rlhf.toy import build_toy_model, build_toy_reward_model, preference_dataset
 
 pytestmark = pytest.mark.integration
 
@@ -23,11 +23,6 @@ LAYOUTS = {
     "padding_free": {"padding_free": True},
     "prefix_sharing": {"prefix_sharing": True},
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_toy_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_rlhf import ModelConfig, SFTConfig, SFTTrainer
-from hf_rlhf.toy import build_toy_model, build_toy_tokenizer, sft_dataset
+from hf_rlhf.toy import build_toy_model, sft_dataset
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_toy_tokenizer()
 
 
 @pytest.fixture(scope="module")
