@@ -31,6 +31,22 @@ def run_worker(script: str, args: list[str], extra_pythonpath: str | None = None
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def training_kwargs(settings: dict, output_dir: str) -> dict:
+    """TrainingArguments both libraries get in the SFT and reward benchmarks: one epoch at a constant 1e-3 with
+    AdamW, fp32 on the CPU, fixed seeds and data order, no logging, saving, worker processes or pinned memory.
+
+    Args:
+        settings: with "batch_size", "epochs" and "max_length".
+    """
+    return dict(
+        output_dir=output_dir, per_device_train_batch_size=settings["batch_size"], num_train_epochs=settings["epochs"],
+        learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, optim="adamw_torch",
+        max_length=settings["max_length"], logging_strategy="no", save_strategy="no", report_to="none",
+        disable_tqdm=True, seed=0, data_seed=0, use_cpu=True, bf16=False, fp16=False,
+        dataloader_num_workers=0, dataloader_pin_memory=False,
+    )
+
+
 def versions(packages: tuple[str, ...], **fixed: str) -> dict:
     """Installed versions of `packages` (None when missing), after the `fixed` entries."""
     from importlib.metadata import PackageNotFoundError, version

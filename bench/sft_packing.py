@@ -105,13 +105,7 @@ class CountingCollator:
 
 
 def build_trainer(name: str, model, tokenizer, dataset, settings: dict, output_dir: str):
-    common = dict(
-        output_dir=output_dir, per_device_train_batch_size=settings["batch_size"], num_train_epochs=settings["epochs"],
-        learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, optim="adamw_torch",
-        max_length=settings["max_length"], logging_strategy="no", save_strategy="no", report_to="none",
-        disable_tqdm=True, seed=0, data_seed=0, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        dataloader_num_workers=0, dataloader_pin_memory=False,
-    )
+    common = {**harness.training_kwargs(settings, output_dir), "gradient_checkpointing": False}
     if name.endswith("_bs1"):  # the same rows per optimizer step, one row per forward
         common.update(per_device_train_batch_size=1, gradient_accumulation_steps=settings["batch_size"])
     if name.startswith("trl"):
