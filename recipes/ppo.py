@@ -24,6 +24,7 @@ line or in a YAML file given with `--config` (command-line values win). Unknown 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -105,6 +106,22 @@ def _is_model_dir(path: str) -> bool:
         os.path.join(path, "adapter_config.json"))
 
 
+@contextlib.contextmanager
+def _build_threads():
+    """Every core for a single-process build of a toy prerequisite, then the threads as they were.
+
+    `accelerate launch` sets OMP_NUM_THREADS=1 in every process it starts, a single one included; the SFT build
+    trains on packed 1,024-token batches, which run about 2x faster on both cores of a 2-core machine.
+    """
+    before = torch.get_num_threads()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def ensure_toy_models(script_args, timings: dict) -> None:
     """Build the SFT policy and (for reward_source=model) the reward model when they are missing."""
     needed = [("sft", script_args.sft_model_path, script_args.sft_config, [])]
@@ -120,7 +137,8 @@ def ensure_toy_models(script_args, timings: dict) -> None:
         print(f"[hf_rlhf] {name} model: {path} is missing; building it now with recipes/{name}.py "
               f"--config {os.path.relpath(config)}")
         start = time.perf_counter()
-        _run_recipe(name, ["--config", config, "--output_dir", path, *extra])
+        with _build_threads():
+            _run_recipe(name, ["--config", config, "--output_dir", path, *extra])
         timings[f"{name}_s"] = round(time.perf_counter() - start, 1)
         print(f"[hf_rlhf] {name} model built in {timings[f'{name}_s']:.0f} s")
 
@@ -212,12 +230,13 @@ def load_prompts(script_args, toy: bool):
 def main(argv: list[str] | None = None) -> dict:
     script_args, model_config, training_args = parse_recipe_args(
         (ScriptArguments, ModelConfig, PPOConfig), argv, TOY_CONFIG)
-    if script_args.num_threads:
-        torch.set_num_threads(script_args.num_threads)
     toy = script_args.dataset_name is None and model_config.model_name_or_path is None
     timings: dict[str, float] = {}
     if toy:
         ensure_toy_models(script_args, timings)
+    if script_args.num_threads:
+        torch.set_num_threads(script_args.num_threads)
+    if toy:
         model_config.model_name_or_path = script_args.sft_model_path
     elif model_config.model_name_or_path is None:
         raise ValueError("give the policy with --model_name_or_path (the toy task runs when neither it nor "
