@@ -7,7 +7,7 @@ The toy config logs once per rollout, so each logged `objective/kl` is one rollo
 response tokens, k1 estimator), measured before the rollout's updates. Reported for the second half of the steps:
 the mean KL and the fraction of logged rollouts within T ± 25 % (the acceptance criterion of the adaptive controller).
 
-    python bench/kl_control.py                            # ~2 x 3 min on 2 busy CPU cores (models already built)
+    python bench/kl_control.py                            # ~2 x 4 min on 2 busy CPU cores (models already built)
     python bench/kl_control.py --target 1.0 --horizon 1024 --max_steps 400
     python bench/kl_control.py --quick                    # smoke test: a tiny policy, few steps, < 2 min
 

@@ -8,7 +8,7 @@
 Toy task (no `model_name_or_path`, no `dataset_name`): the policy is the SFT recipe's model (`sft_model_path`,
 default `outputs/sft`) and the reward the reward recipe's model (`reward_model_path`, default `outputs/reward`).
 When either is missing it is built first, in this process, by running that recipe's `main()` with its toy config
-(`build_missing`; about 1.5 + 0.5 minutes on an idle 2-core CPU). `reward_source: function` uses a Python reward
+(`build_missing`; about 3.5 + 1 minutes on an idle 2-core CPU). `reward_source: function` uses a Python reward
 function instead (`reward_function`, default the toy task's verifiable `hf_rlhf.toy:reward_fn`), and then no reward
 model is needed or built.
 

@@ -84,3 +84,20 @@ def test_reward_model_source_needs_a_model_when_building_is_off(recipe, tmp_path
             str(tmp_path / "ppo"), "--sft_model_path", str(tmp_path / "none"), "--build_missing", "false"]
     with pytest.raises(FileNotFoundError, match="no sft model at .*none; run recipes/sft.py first"):
         recipe.main(argv)
+
+
+def test_single_process_build_uses_every_core_then_restores_threads(recipe, monkeypatch):
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    before = torch.get_num_threads()  # 1: tests/conftest.py pins one thread, as accelerate launch does
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with recipe._build_threads():
+        assert torch.get_num_threads() == cores
+    assert torch.get_num_threads() == before
+
+    # under a multi-process launch every rank keeps the launcher's threads (no oversubscription)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with recipe._build_threads():
+        assert torch.get_num_threads() == before
+    assert torch.get_num_threads() == before
