@@ -15,7 +15,8 @@ def parse_recipe_args(dataclass_types, argv: list[str] | None, toy_config: str):
 
     Without `--config`, `--model_name_or_path` or `--dataset_name` the run is the embedded toy task,
     and the recipe's toy YAML supplies its defaults (other options given still win). Unknown options, on the command line or in
-    the YAML file, are errors (trl's `TrlParser`, with `fail_with_unknown_args`).
+    the YAML file, are errors (trl's `TrlParser`, with `fail_with_unknown_args`). Seeds every RNG with the last
+    dataclass's `seed` (the TrainingArguments).
     """
     from trl import TrlParser
 
@@ -26,7 +27,13 @@ def parse_recipe_args(dataclass_types, argv: list[str] | None, toy_config: str):
         print(f"[hf_rlhf] running the embedded toy task ({os.path.relpath(toy_config)})")
         argv = ["--config", toy_config, *argv]
     parser = TrlParser(dataclass_types)
-    return parser.parse_args_and_config(args=argv, fail_with_unknown_args=True)
+    parsed = parser.parse_args_and_config(args=argv, fail_with_unknown_args=True)
+    # seed before any model is built: a head added at load time (the reward model's score layer on an SFT
+    # policy) is initialised before the Trainer seeds, and would differ from run to run
+    from transformers import set_seed
+
+    set_seed(parsed[-1].seed)
+    return parsed
 
 
 def prepare_toy_base(model_config: ModelConfig, training_args, size: str, seed: int, reward: bool = False):

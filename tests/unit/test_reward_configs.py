@@ -72,3 +72,19 @@ def test_every_reward_recipe_yaml_loads(path):
     assert args.output_dir and isinstance(args, RewardConfig) and isinstance(model_config, ModelConfig)
     if model_config.load_in_4bit:
         assert model_config.use_peft
+
+
+def test_parsing_seeds_the_rngs_so_a_head_added_at_load_time_is_reproducible(tmp_path):
+    """The reward recipe adds a fresh score head to the SFT policy before the Trainer seeds anything."""
+    import torch
+
+    argv = ["--model_name_or_path", "m", "--output_dir", str(tmp_path), "--seed", "3"]
+    heads = []
+    for _ in range(2):
+        parse_recipe_args((ModelConfig, RewardConfig), argv, "unused")
+        torch.rand(100)  # whatever ran in between does not matter once parsing re-seeds
+        parse_recipe_args((ModelConfig, RewardConfig), argv, "unused")
+        heads.append(torch.nn.Linear(16, 1).weight.detach().clone())
+    assert torch.equal(heads[0], heads[1])
+    parse_recipe_args((ModelConfig, RewardConfig), [*argv[:-1], "4"], "unused")
+    assert not torch.equal(torch.nn.Linear(16, 1).weight, heads[0])
