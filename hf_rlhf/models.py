@@ -104,7 +104,6 @@ def load_model(model_config: ModelConfig, model_class=AutoModelForCausalLM, **kw
     return model_class.from_pretrained(model_config.model_name_or_path, **init)
 
 
-
 def resolve_model(model, model_config: ModelConfig | None, model_class=AutoModelForCausalLM, **kwargs):
     """A trainer's `model` argument as a module: a path is loaded with `load_model` (and `model_config`).
 
@@ -116,8 +115,6 @@ def resolve_model(model, model_config: ModelConfig | None, model_class=AutoModel
         TypeError: `model` is neither a path nor an `nn.Module`.
         ValueError: `model_config` asks for 4/8-bit loading of a model that is already built.
     """
-    import torch
-
     if isinstance(model, str):
         if model_config is None:
             model_config = ModelConfig(model_name_or_path=model)
@@ -130,6 +127,7 @@ def resolve_model(model, model_config: ModelConfig | None, model_class=AutoModel
         raise ValueError("model_config asks for 4/8-bit loading, but the model is already built; "
                          "load it quantized yourself or pass the model as a path.")
     return model, model_config
+
 
 def load_tokenizer(model_config: ModelConfig, padding_side: str = "right"):
     return AutoTokenizer.from_pretrained(

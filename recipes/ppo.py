@@ -230,13 +230,12 @@ def load_prompts(script_args, toy: bool):
 def main(argv: list[str] | None = None) -> dict:
     script_args, model_config, training_args = parse_recipe_args(
         (ScriptArguments, ModelConfig, PPOConfig), argv, TOY_CONFIG)
+    if script_args.num_threads:
+        torch.set_num_threads(script_args.num_threads)
     toy = script_args.dataset_name is None and model_config.model_name_or_path is None
     timings: dict[str, float] = {}
     if toy:
-        ensure_toy_models(script_args, timings)
-    if script_args.num_threads:
-        torch.set_num_threads(script_args.num_threads)
-    if toy:
+        ensure_toy_models(script_args, timings)  # a single-process build uses every core, then num_threads again
         model_config.model_name_or_path = script_args.sft_model_path
     elif model_config.model_name_or_path is None:
         raise ValueError("give the policy with --model_name_or_path (the toy task runs when neither it nor "

@@ -311,7 +311,8 @@ def preference_dataset(n: int, seed: int = 0, split: str = "train", conversation
     rng = random.Random(f"hf_rlhf.toy.rejected:{seed}:{split}")
     rejected = []
     for r in rows:
-        slip = slip_answer(r["prompt"], r["answer"]) if rejected_slip_rate > 0 else None
+        slip = slip_answer(r["prompt"], r["answer"])
+        # the rng draws only when the rate is set, so rate 0 keeps the wrong answers of slip-free pairs
         use_slip = rejected_slip_rate > 0 and rng.random() < rejected_slip_rate and slip is not None
         rejected.append(slip if use_slip else wrong_answer(r["prompt"], r["answer"], rng))
     wrap_p, wrap_c = (_user, _assistant) if conversational else (str, str)
