@@ -8,6 +8,7 @@ driven by one `ModelConfig`.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -158,3 +159,47 @@ def apply_lora(model: PreTrainedModel, peft_config, gradient_checkpointing: bool
     elif gradient_checkpointing:
         model.enable_input_require_grads()
     return get_peft_model(model, peft_config)
+
+
+def load_weights(model: nn.Module, directory: str, adapter_name: str | None = None) -> None:
+    """Load a `save_pretrained` directory (full model, sharded, or LoRA adapter) into an existing model.
+
+    Args:
+        adapter_name: for a `PeftModel`, the adapter to load into (default: the active one).
+
+    Raises:
+        FileNotFoundError: no weights in `directory`.
+        ValueError: keys that do not match the model (tied copies of loaded weights excepted).
+    """
+    from accelerate.utils import is_peft_model
+    from safetensors.torch import load_file
+
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        path = os.path.join(directory, "adapter_model.safetensors")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found: the policy is a PeftModel but {directory} has no adapter")
+        adapter_name = adapter_name or model.active_adapter
+        result = set_peft_model_state_dict(model, load_file(path), adapter_name=adapter_name)
+        unexpected = list(getattr(result, "unexpected_keys", []))
+        if unexpected:
+            raise ValueError(f"adapter weights in {directory} do not match the model: unexpected {unexpected[:5]}")
+        return
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        from transformers.modeling_utils import load_sharded_checkpoint
+
+        result = load_sharded_checkpoint(model, directory, strict=False)
+    else:
+        path = os.path.join(directory, "model.safetensors")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found: no model weights in {directory}")
+        result = model.load_state_dict(load_file(path), strict=False)
+    # a key left out of the file because it is tied to a loaded one (tied embeddings) is not missing
+    state, absent = model.state_dict(), set(result.missing_keys)
+    loaded = {tensor.data_ptr() for name, tensor in state.items() if name not in absent}
+    missing = [name for name in result.missing_keys if state[name].data_ptr() not in loaded]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"weights in {directory} do not match the model: missing {missing[:5]}, "
+                         f"unexpected {list(result.unexpected_keys)[:5]}")

@@ -29,6 +29,9 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
+from .models import load_weights
+from .tensors import last_true_indices
+
 REWARD_STATS_FILE = "reward_stats.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -52,30 +55,9 @@ def last_token_columns(attention_mask: torch.Tensor) -> torch.LongTensor:
     >>> last_token_columns(torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1]]))
     tensor([2, 4])
     """
-    mask = attention_mask.bool()
-    if not mask.any(-1).all():
+    if not attention_mask.bool().any(-1).all():
         raise ValueError("a row of attention_mask has no real token: there is no last token to read a reward at")
-    length = mask.shape[-1]
-    # index of the last 1 = T - 1 - (index of the first 1 in the flipped row)
-    return (length - 1 - mask.flip(-1).int().argmax(-1)).long()
-
-
-def last_token_index_packed(lengths) -> torch.LongTensor:
-    """Position of each sequence's last token in a row of sequences laid end to end.
-
-    Args:
-        lengths: the S sequence lengths, each >= 1.
-
-    Returns:
-        LongTensor (S,).
-
-    >>> last_token_index_packed([3, 2, 1])
-    tensor([2, 4, 5])
-    """
-    lengths = torch.as_tensor(lengths, dtype=torch.long)
-    if (lengths < 1).any():
-        raise ValueError(f"sequence lengths must be >= 1, got {lengths.tolist()}")
-    return lengths.cumsum(0) - 1
+    return last_true_indices(attention_mask)
 
 
 def gather_last_token_scores(
@@ -132,6 +114,26 @@ def backbone_of(model: nn.Module) -> nn.Module:
     return body
 
 
+def new_value_head(hidden_size: int, init_std: float | None = None, device=None) -> nn.Linear:
+    """A scalar head `Linear(hidden, 1)` with weights N(0, std^2) and a zero bias.
+
+    The default std is 1/sqrt(hidden + 1), the reward head of Ziegler et al. 2019 ("Fine-Tuning Language Models
+    from Human Preferences", lm-human-preferences). The one builder of the value / reward heads: `ValueHeadModel`
+    and PPO's value head on the policy both use it.
+
+    Args:
+        hidden_size: width of the hidden states the head reads.
+        init_std: std of the initial weights; None: 1/sqrt(hidden_size + 1).
+        device: where to put the head.
+    """
+    head = nn.Linear(hidden_size, 1, device=device)
+    std = init_std if init_std is not None else 1.0 / math.sqrt(hidden_size + 1)
+    with torch.no_grad():
+        head.weight.normal_(0.0, std)
+        head.bias.zero_()
+    return head
+
+
 class ValueHeadModel(nn.Module):
     """A causal LM backbone with a linear scalar head on every token (reward model (b), PPO value model).
 
@@ -152,13 +154,8 @@ class ValueHeadModel(nn.Module):
     def __init__(self, model: nn.Module, head_init_std: float | None = None):
         super().__init__()
         self.pretrained_model = model
-        hidden = model.config.get_text_config().hidden_size
-        self.v_head = nn.Linear(hidden, 1)
-        std = head_init_std if head_init_std is not None else 1.0 / math.sqrt(hidden + 1)
-        with torch.no_grad():
-            self.v_head.weight.normal_(0.0, std)
-            self.v_head.bias.zero_()
-        self.v_head.to(device=next(model.parameters()).device)
+        self.v_head = new_value_head(model.config.get_text_config().hidden_size, head_init_std,
+                                     device=next(model.parameters()).device)
         self.config = model.config
         self.main_input_name = "input_ids"
         self.supports_gradient_checkpointing = getattr(model, "supports_gradient_checkpointing", False)
@@ -189,6 +186,11 @@ class ValueHeadModel(nn.Module):
         self.pretrained_model.save_pretrained(save_directory, **kwargs)
         state = {k: v.detach().contiguous().cpu() for k, v in self.v_head.state_dict().items()}
         save_file(state, os.path.join(save_directory, VALUE_HEAD_FILE))
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load what `save_pretrained` wrote into this model, in place (how `BaseTrainer` resumes it)."""
+        load_weights(self.pretrained_model, directory)
+        self.load_value_head(directory)
 
     def load_value_head(self, directory: str) -> None:
         from safetensors.torch import load_file

@@ -164,3 +164,37 @@ def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(length, device=bools.device)
     # False positions become T, True positions keep their index; the min is the first True (or T)
     return torch.where(bools.bool(), positions, length).min(dim=-1).values
+
+
+def last_true_indices(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last nonzero entry of each row: the last real token of a left- or right-padded row.
+
+    Args:
+        mask: (B, T) 0/1 or boolean.
+
+    Returns:
+        (B,) long; 0 for a row with no nonzero entry (callers that cannot accept one check first).
+
+    >>> last_true_indices(torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1]]))
+    tensor([2, 4])
+    """
+    positions = torch.arange(mask.size(-1), device=mask.device)
+    return torch.where(mask.bool(), positions, 0).max(dim=-1).values
+
+
+def last_token_index_packed(lengths) -> torch.Tensor:
+    """Position of each sequence's last token in a row of sequences laid end to end.
+
+    Args:
+        lengths: the S sequence lengths, each >= 1 (a list or a (S,) tensor).
+
+    Returns:
+        (S,) long.
+
+    >>> last_token_index_packed([3, 2, 1])
+    tensor([2, 4, 5])
+    """
+    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    if (lengths < 1).any():
+        raise ValueError(f"sequence lengths must be >= 1, got {lengths.tolist()}")
+    return lengths.cumsum(0) - 1

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import torch
 
-
-def last_true_indices(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last nonzero entry of each row of a (B, T) mask; 0 for an all-zero row."""
-    positions = torch.arange(mask.size(-1), device=mask.device)
-    return torch.where(mask.bool(), positions, 0).max(dim=-1).values
+from ..tensors import last_true_indices
 
 
 def per_token_rewards(

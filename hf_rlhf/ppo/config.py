@@ -70,8 +70,8 @@ class PPOConfig(DeviceDefaultsMixin, TrainingArguments):
 
     Checkpoints may be taken at any step, also in the middle of a rollout's optimizer steps: the rollout being
     trained on is written into the checkpoint per rank (`ppo_experience_rank{r}.pt`) and read back on resume, so
-    no rollout is regenerated. `ignore_data_skip` is forced to True: the experience loader fast-forwards its own
-    prompts on resume.
+    no rollout is regenerated. `PPOTrainer` forces `ignore_data_skip=True`: the experience loader fast-forwards its
+    own prompts on resume.
     """
 
     learning_rate: float = field(default=3e-6, metadata={"help": "The initial learning rate for AdamW."})
@@ -142,8 +142,6 @@ class PPOConfig(DeviceDefaultsMixin, TrainingArguments):
 
     def __post_init__(self):
         self._resolve_device_defaults()
-        # the experience loader fast-forwards its own prompts; the Trainer's skip would regenerate rollouts
-        self.ignore_data_skip = True
         super().__post_init__()
         if isinstance(self.stop_token, str) and self.stop_token.lower() == "none":  # from the command line
             self.stop_token = None

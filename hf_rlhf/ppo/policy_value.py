@@ -18,20 +18,29 @@ adapter is saved as the policy: a reward adapter loaded on the same base is not 
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from accelerate.utils import is_peft_model
 from transformers.utils import ModelOutput
 
-from ..reward_models import ValueHeadModel, backbone_of, find_score_head, token_scores, unwrap_peft
+from ..models import load_weights
+
+from ..reward_models import (
+    VALUE_HEAD_FILE,
+    ValueHeadModel,
+    backbone_of,
+    find_score_head,
+    new_value_head,
+    token_scores,
+    unwrap_peft,
+)
 from .shared_base import adapter_parameter_names, adapter_scope
 
 VALUE_DIR = "value"
-VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 @dataclass
@@ -43,10 +52,6 @@ class PolicyValueOutput(ModelOutput):
 
     logits: torch.Tensor | None = None
     token_values: torch.Tensor | None = None
-
-
-def _is_peft(model: nn.Module) -> bool:
-    return unwrap_peft(model) is not model
 
 
 class PolicyAndValue(nn.Module):
@@ -72,13 +77,8 @@ class PolicyAndValue(nn.Module):
         self.value_adapter = value_adapter
         self.value_head = None
         if value_model is None:
-            hidden = unwrap_peft(policy).config.get_text_config().hidden_size
-            self.value_head = nn.Linear(hidden, 1)
-            std = head_init_std if head_init_std is not None else 1.0 / math.sqrt(hidden + 1)
-            with torch.no_grad():
-                self.value_head.weight.normal_(0.0, std)
-                self.value_head.bias.zero_()
-            self.value_head.to(next(policy.parameters()).device)
+            self.value_head = new_value_head(unwrap_peft(policy).config.get_text_config().hidden_size, head_init_std,
+                                             device=next(policy.parameters()).device)
         self._value_score_head = None if value_model is None else find_score_head(value_model)
         # the Trainer reads these from the model it trains; its batches are experience, whose tokens to count
         # (include_num_input_tokens_seen) are the responses
@@ -122,6 +122,13 @@ class PolicyAndValue(nn.Module):
 
     def enable_input_require_grads(self):
         self.policy.enable_input_require_grads()
+
+    # what `BaseTrainer` saves and resumes for a module that is not a PreTrainedModel
+    def save_pretrained(self, save_directory: str, state_dict: dict | None = None, **kwargs) -> None:
+        save_policy_and_value(self, save_directory, state_dict)
+
+    def load_checkpoint(self, directory: str) -> None:
+        load_policy_and_value(self, directory)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -208,7 +215,7 @@ def save_policy_and_value(module: PolicyAndValue, output_dir: str, state_dict: d
     value_dir = os.path.join(output_dir, VALUE_DIR)
     policy_state = _split_state_dict(state_dict, "policy.")
     # a PeftModel saves every adapter by default; the policy is its active one (never the frozen reward adapter)
-    only = {"selected_adapters": [module.policy.active_adapter]} if _is_peft(module.policy) else {}
+    only = {"selected_adapters": [module.policy.active_adapter]} if is_peft_model(module.policy) else {}
     module.policy.save_pretrained(output_dir, state_dict=policy_state, is_main_process=is_main_process, **only)
     if module.value_adapter is not None:  # peft writes an adapter not named "default" to <dir>/<its name>: value/
         module.policy.save_pretrained(output_dir, state_dict=policy_state, is_main_process=is_main_process,
@@ -237,50 +244,6 @@ def load_policy_and_value(module: PolicyAndValue, directory: str) -> None:
             raise FileNotFoundError(f"{path} not found: {directory} is not a PPO checkpoint with a value head")
         module.value_head.load_state_dict(load_file(path, device=str(module.value_head.weight.device)))
     elif isinstance(module.value_model, ValueHeadModel):
-        load_weights(module.value_model.pretrained_model, value_dir)
-        module.value_model.load_value_head(value_dir)
+        module.value_model.load_checkpoint(value_dir)
     else:
         load_weights(module.value_model, value_dir)
-
-
-def load_weights(model: nn.Module, directory: str, adapter_name: str | None = None) -> None:
-    """Load a `save_pretrained` directory (full model, sharded, or LoRA adapter) into an existing model.
-
-    Args:
-        adapter_name: for a `PeftModel`, the adapter to load into (default: the active one).
-
-    Raises:
-        FileNotFoundError: no weights in `directory`.
-        ValueError: keys that do not match the model (tied copies of loaded weights excepted).
-    """
-    from safetensors.torch import load_file
-
-    if _is_peft(model):
-        from peft import set_peft_model_state_dict
-
-        path = os.path.join(directory, "adapter_model.safetensors")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} not found: the policy is a PeftModel but {directory} has no adapter")
-        adapter_name = adapter_name or model.active_adapter
-        result = set_peft_model_state_dict(model, load_file(path), adapter_name=adapter_name)
-        unexpected = list(getattr(result, "unexpected_keys", []))
-        if unexpected:
-            raise ValueError(f"adapter weights in {directory} do not match the model: unexpected {unexpected[:5]}")
-        return
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        from transformers.modeling_utils import load_sharded_checkpoint
-
-        result = load_sharded_checkpoint(model, directory, strict=False)
-    else:
-        path = os.path.join(directory, "model.safetensors")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} not found: no model weights in {directory}")
-        result = model.load_state_dict(load_file(path), strict=False)
-    # a key left out of the file because it is tied to a loaded one (tied embeddings) is not missing
-    state, absent = model.state_dict(), set(result.missing_keys)
-    loaded = {tensor.data_ptr() for name, tensor in state.items() if name not in absent}
-    missing = [name for name in result.missing_keys if state[name].data_ptr() not in loaded]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"weights in {directory} do not match the model: missing {missing[:5]}, "
-                         f"unexpected {list(result.unexpected_keys)[:5]}")

@@ -27,25 +27,25 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, set_seed
-from transformers.trainer import TRAINING_ARGS_NAME
+from transformers import AutoModelForSequenceClassification, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..collators import PaddingCollator
 from ..configs import ModelConfig
 from ..data import prepare_sft_dataset
-from ..models import apply_lora, load_model, lora_config, resolve_model
+from ..models import load_model, resolve_model
 from ..ppo.callbacks import EpochFromStepCallback, KLControllerCallback, RewardStatsCallback, find_callback
 from ..ppo.config import PPOConfig
 from ..ppo.experience import Experience
 from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator
 from ..ppo.losses import policy_loss, value_loss
-from ..ppo.policy_value import PolicyAndValue, load_policy_and_value, response_logits, save_policy_and_value
+from ..ppo.policy_value import PolicyAndValue, response_logits
 from ..ppo.rewards import ModelReward, build_reward_source
 from ..ppo.rollout import RolloutMaker
 from ..ppo.shared_base import add_value_adapter, resolve_value_adapter
 from ..reward_models import disable_dropout, unwrap_peft
 from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
+from .base import BaseTrainer
 
 
 def _reference_copy(policy):
@@ -63,7 +63,7 @@ def _reference_copy(policy):
     return load_model(ModelConfig(model_name_or_path=path, dtype=str(policy.dtype).removeprefix("torch.")))
 
 
-class PPOTrainer(Trainer):
+class PPOTrainer(BaseTrainer):
     """PPO with a value function, a KL-penalised reward and an adaptive or fixed KL coefficient.
 
     Args:
@@ -91,14 +91,14 @@ class PPOTrainer(Trainer):
                    train_dataset=..., model_config=ModelConfig(use_peft=True, load_in_4bit=True))
     """
 
+    config_class = PPOConfig
+    default_output_dir = "ppo-output"
     loss_is_scaled_for_ga = True  # compute_loss divides by the minibatch's token count (see get_batch_samples)
 
     def __init__(self, model, reward_model, args: PPOConfig | None = None, train_dataset=None, processing_class=None,
                  value_model=None, ref_model=None, reward_processing_class=None, peft_config=None,
                  model_config: ModelConfig | None = None, ptx_dataset=None, callbacks=None, **kwargs):
-        args = args if args is not None else PPOConfig(output_dir="ppo-output")
-        if not isinstance(args, PPOConfig):
-            raise TypeError(f"args must be a PPOConfig, got {type(args).__name__}.")
+        args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
         if train_dataset is None:
             raise ValueError("PPOTrainer needs a train_dataset of prompts.")
@@ -107,15 +107,13 @@ class PPOTrainer(Trainer):
                                       "policy (trainer.model.policy) in a callback, e.g. with hf_rlhf.toy.exact_match.")
         set_seed(args.seed)  # as the Trainer does, but before the value head (and a value adapter) are initialised
         policy, model_config = resolve_model(model, model_config)
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(unwrap_peft(policy).config._name_or_path)
+        processing_class = self.resolve_tokenizer(processing_class, policy)
         if processing_class.pad_token is None:  # PPO tracks padding with masks, never by id: eos is safe (as TRL)
             processing_class.pad_token = processing_class.eos_token
         if processing_class.pad_token is None:
             raise ValueError("the policy tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
-        if peft_config is None and model_config is not None:
-            peft_config = lora_config(model_config)
-        module, ref_model = self._build_models(policy, value_model, ref_model, peft_config, args)
+        policy = self.add_peft(policy, model_config, args, peft_config)
+        module, ref_model = self._build_models(policy, value_model, ref_model, args)
 
         reward_source = build_reward_source(reward_model, reward_processing_class, device=args.device,
                                             batch_size=args.local_rollout_forward_batch_size,
@@ -139,13 +137,11 @@ class PPOTrainer(Trainer):
         self.reward_source = reward_source
         self.rollout_maker = RolloutMaker(args, processing_class, reward_source, self.accelerator, self.ref_model,
                                           reward_stats)
-        self._loader, self._resume_from, self._metrics = None, None, {}
+        self._loader, self._resume_from = None, None
 
     @staticmethod
-    def _build_models(policy, value_model, ref_model, peft_config, args):
-        """(PolicyAndValue, reference or None): LoRA, the frozen reference copy, dropout off."""
-        if peft_config is not None:
-            policy = apply_lora(policy, peft_config, gradient_checkpointing=bool(args.activation_checkpointing))
+    def _build_models(policy, value_model, ref_model, args):
+        """(PolicyAndValue, reference or None): the frozen reference copy, the value function, dropout off."""
         if isinstance(ref_model, str):
             ref_model = load_model(ModelConfig(model_name_or_path=ref_model))
         elif ref_model is None and unwrap_peft(policy) is policy:  # a PeftModel's reference is its adapters off
@@ -244,33 +240,19 @@ class PPOTrainer(Trainer):
                      "policy/entropy_avg": entropy * normalizer}
         means = {"policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
                  "val/clipfrac_avg": vf_stats["clipfrac"], "val/ratio": pg_stats["ratio"]}
+        metrics = self.metrics["train"]
         for name, value in per_token.items():  # sums over this micro-batch's tokens
-            self._record(name, value, tokens)
+            metrics.add(name, value, tokens)
         for name, value in means.items():  # means over this micro-batch's tokens
-            self._record(name, value * tokens, tokens)
-        one = torch.ones((), device=tokens.device, dtype=torch.float64)
+            metrics.add(name, value * tokens, tokens)
         for name, value in inputs["rollout_stats"].items():
-            self._record(name, one * value, one)
+            metrics.add(name, value)
         if ptx_logits is not None:
             labels = inputs["ptx_labels"][:, 1:]
             ptx_loss = F.cross_entropy(ptx_logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
             loss = loss + args.ptx_coef * ptx_loss / self.current_gradient_accumulation_steps
-            self._record("loss/ptx_avg", ptx_loss, one)
+            metrics.add("loss/ptx_avg", ptx_loss)
         return (loss, {"logits": logits, "values": values}) if return_outputs else loss
-
-    def _record(self, name: str, value_sum: torch.Tensor, weight: torch.Tensor) -> None:
-        # kept on the device: one transfer per log, not per micro-batch
-        pair = torch.stack([value_sum.detach().double().reshape(()), weight.detach().double().reshape(())])
-        self._metrics[name] = self._metrics[name] + pair if name in self._metrics else pair
-
-    def log(self, logs: dict, start_time: float | None = None) -> None:
-        if "loss" in logs and self._metrics:  # a training log: add the PPO metrics since the last one
-            names = sorted(self._metrics)
-            totals = torch.stack([self._metrics[name] for name in names]).to(self.accelerator.device)
-            totals = self.accelerator.reduce(totals, reduction="sum")  # every rank holds the same numbers
-            logs.update({name: (s / w).item() for name, (s, w) in zip(names, totals) if w > 0})
-            self._metrics = {}
-        super().log(logs, start_time)
 
     # -- optimizer: the value function may get its own learning rate ---------------------------------
     def create_optimizer(self, model=None):
@@ -301,17 +283,3 @@ class PPOTrainer(Trainer):
         if self._loader is not None:
             self._loader.save_state(os.path.join(self._get_output_dir(trial=trial), folder))
         super()._save_checkpoint(model, trial)
-
-    def _save(self, output_dir: str | None = None, state_dict=None):
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
-            return
-        os.makedirs(output_dir, exist_ok=True)
-        save_policy_and_value(self.accelerator.unwrap_model(self.model), output_dir, state_dict)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        load_policy_and_value(self.accelerator.unwrap_model(model if model is not None else self.model),
-                              resume_from_checkpoint)

@@ -16,17 +16,15 @@ and saved with the adapter), preference-pair validation and tokenization (`hf_rl
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, set_seed
-from transformers.trainer import TRAINING_ARGS_NAME
+from transformers import AutoModelForSequenceClassification
 
 from ..collators import PairwiseCollator
 from ..configs import ModelConfig, RewardConfig
 from ..data import ensure_pad_token
-from ..losses import pairwise_metric_sums, pairwise_metrics_from_sums, pairwise_reward_loss
-from ..models import apply_lora, lora_config, resolve_model
+from ..losses import PAIRWISE_METRICS, pairwise_metric_sums, pairwise_metrics_from_sums, pairwise_reward_loss
+from ..models import resolve_model
 from ..preference_data import prepare_preference_dataset
 from ..reward_models import (
     ValueHeadModel,
@@ -39,10 +37,10 @@ from ..reward_models import (
     set_reward_stats,
     token_scores,
 )
+from .base import BaseTrainer
 
 logger = logging.getLogger("hf_rlhf")
 
-_FEATURE_COLUMNS = ["chosen_ids", "rejected_ids", "margin"]
 _LOSS_ONLY_KEYS = ("margin", "last_token_index")  # batch keys the model does not take
 
 
@@ -60,7 +58,7 @@ def with_pairwise_metrics(compute_metrics=None):
     return compute
 
 
-class RewardTrainer(Trainer):
+class RewardTrainer(BaseTrainer):
     """Train a reward model on preference pairs (`chosen` / `rejected`, optional `prompt` and `margin`).
 
     Args:
@@ -81,33 +79,25 @@ class RewardTrainer(Trainer):
         >>> trainer.train()
     """
 
+    config_class = RewardConfig
+    default_output_dir = "reward-output"
+    feature_columns = ("chosen_ids", "rejected_ids", "margin")  # what PairwiseCollator reads
     loss_is_scaled_for_ga = False  # the loss is a mean over the batch's pairs; the Trainer divides by GA steps
 
     def __init__(self, model, args: RewardConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, data_collator=None, peft_config=None,
                  model_config: ModelConfig | None = None, compute_metrics=None, callbacks=None, **kwargs):
-        args = args if args is not None else RewardConfig(output_dir="reward-output")
-        if not isinstance(args, RewardConfig):
-            raise TypeError(f"args must be a RewardConfig, got {type(args).__name__}.")
+        args = self.resolve_args(args)
         model, model_config = resolve_model(model, model_config, AutoModelForSequenceClassification, num_labels=1)
         find_score_head(model)  # a model that cannot give one reward per sequence fails here, not mid-training
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(reward_config_of(model)._name_or_path)
+        processing_class = self.resolve_tokenizer(processing_class, model)
         if args.pad_token is not None or not args.padding_free:
             ensure_pad_token(processing_class, args.pad_token)
         reward_config_of(model).pad_token_id = processing_class.pad_token_id
         self._check_layout(model, args)
-
-        if peft_config is None and model_config is not None:
-            peft_config = lora_config(model_config, task_type="CAUSAL_LM" if isinstance(model, ValueHeadModel)
-                                      else "SEQ_CLS")  # SEQ_CLS: peft trains and saves `score` with the adapter
-        if peft_config is not None:
-            set_seed(args.seed)  # the adapter init: the same on every rank and in every run (the Trainer seeds later)
-            checkpointing = bool(args.activation_checkpointing)
-            if isinstance(model, ValueHeadModel):  # the head stays outside the adapter, trained in full
-                model.pretrained_model = apply_lora(model.pretrained_model, peft_config, checkpointing)
-            else:
-                model = apply_lora(model, peft_config, checkpointing)
+        # SEQ_CLS: peft trains and saves `score` with the adapter; a ValueHeadModel's head stays outside it
+        model = self.add_peft(model, model_config, args, peft_config,
+                              task_type="CAUSAL_LM" if isinstance(model, ValueHeadModel) else "SEQ_CLS")
         if args.disable_dropout:
             disable_dropout(model)
 
@@ -132,7 +122,6 @@ class RewardTrainer(Trainer):
         self.label_names = []  # no labels: prediction_step makes its own
         self._score_head = find_score_head(self.model)  # after peft: the wrapped head
         self._eager = getattr(reward_config_of(self.model), "_attn_implementation", None) == "eager"
-        self._metric_sums = None
 
     # -- setup ---------------------------------------------------------------------------------
     @staticmethod
@@ -150,10 +139,6 @@ class RewardTrainer(Trainer):
         logger.info("%s dataset: %d pairs (%d over max_length truncated, %d dropped)", name, len(prepared),
                     stats["n_truncated"], stats["n_dropped"])
         return prepared
-
-    def _set_signature_columns_if_needed(self):
-        if self._signature_columns is None:
-            self._signature_columns = list(_FEATURE_COLUMNS)
 
     # -- loss, evaluation and metrics --------------------------------------------------------------
     def _rewards(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,8 +160,9 @@ class RewardTrainer(Trainer):
         chosen, rejected = self._rewards(model, inputs)
         loss = pairwise_reward_loss(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient)
         if model.training:
-            sums = pairwise_metric_sums(chosen, rejected)
-            self._metric_sums = sums if self._metric_sums is None else self._metric_sums + sums
+            *sums, count = pairwise_metric_sums(chosen, rejected)
+            for name, value in zip(PAIRWISE_METRICS, sums):
+                self.metrics["train"].add(name, value, count)
         outputs = {"rewards_chosen": chosen, "rewards_rejected": rejected}
         return (loss, outputs) if return_outputs else loss
 
@@ -189,13 +175,6 @@ class RewardTrainer(Trainer):
             return loss, None, None
         rewards = torch.stack([outputs["rewards_chosen"], outputs["rewards_rejected"]], dim=1)
         return loss, rewards, torch.zeros(len(rewards), dtype=torch.long, device=rewards.device)
-
-    def log(self, logs: dict, start_time: float | None = None) -> None:
-        if not any(k.startswith("eval_") for k in logs) and self._metric_sums is not None:
-            # training metrics since the last log, summed over processes
-            logs.update(pairwise_metrics_from_sums(self.accelerator.reduce(self._metric_sums, reduction="sum")))
-            self._metric_sums = None
-        super().log(logs, start_time)
 
     # -- reward statistics for PPO -----------------------------------------------------------------
     def compute_reward_stats(self, dataset=None) -> dict[str, float]:
@@ -227,23 +206,7 @@ class RewardTrainer(Trainer):
 
     # -- saving --------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        model = self.accelerator.unwrap_model(self.model)
-        if isinstance(model, ValueHeadModel):
-            if not self.args.should_save:
-                return
-            model.save_pretrained(output_dir)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-        else:
-            super()._save(output_dir, state_dict)
-        stats = load_reward_stats(model)
+        super()._save(output_dir, state_dict)
+        stats = load_reward_stats(self.accelerator.unwrap_model(self.model))
         if stats is not None and self.args.should_save:
-            save_reward_stats(output_dir, stats)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if isinstance(model if model is not None else self.model, ValueHeadModel):
-            raise NotImplementedError("resuming a ValueHeadModel reward model from a checkpoint is not supported "
-                                      "yet; load it with ValueHeadModel.from_pretrained(checkpoint) and train on")
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+            save_reward_stats(output_dir if output_dir is not None else self.args.output_dir, stats)

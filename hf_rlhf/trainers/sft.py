@@ -13,17 +13,14 @@ import logging
 import time
 
 import torch
-from transformers import AutoTokenizer, Trainer, set_seed
 
 from ..collators import PackingCollator, PaddingCollator
 from ..configs import ModelConfig, SFTConfig
 from ..data import ensure_pad_token, prepare_sft_dataset, resolve_chat_template
-from ..models import apply_lora, lora_config, resolve_model
+from ..models import resolve_model
+from .base import BaseTrainer
 
 logger = logging.getLogger("hf_rlhf")
-
-# columns the collators read; the Trainer's remove_unused_columns must keep them
-_FEATURE_COLUMNS = ["input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths", "position_ids"]
 
 
 def token_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +43,7 @@ def is_packed_batch(inputs: dict) -> bool:
     return "position_ids" in inputs and "attention_mask" not in inputs
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(BaseTrainer):
     """Supervised fine-tuning on `text`, `prompt`/`completion` or conversational (`messages`) data.
 
     Args:
@@ -64,24 +61,21 @@ class SFTTrainer(Trainer):
         >>> trainer.train()
     """
 
+    config_class = SFTConfig
+    default_output_dir = "sft-output"
+    # columns the collators read; the Trainer's remove_unused_columns must keep them
+    feature_columns = ("input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths", "position_ids")
+
     def __init__(self, model, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, data_collator=None, peft_config=None,
                  model_config: ModelConfig | None = None, callbacks=None, **kwargs):
-        args = args if args is not None else SFTConfig(output_dir="sft-output")
-        if not isinstance(args, SFTConfig):
-            raise TypeError(f"args must be an SFTConfig, got {type(args).__name__}.")
+        args = self.resolve_args(args)
         model, model_config = resolve_model(model, model_config)
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        processing_class = self.resolve_tokenizer(processing_class, model)
         resolve_chat_template(processing_class, args.chat_template_path)
         if args.pad_token is not None or not (args.packing or args.padding_free):
             ensure_pad_token(processing_class, args.pad_token)
-
-        peft_config = peft_config if peft_config is not None else (
-            lora_config(model_config) if model_config is not None else None)
-        if peft_config is not None:
-            set_seed(args.seed)  # the adapter init: the same on every rank and in every run (the Trainer seeds later)
-            model = apply_lora(model, peft_config, gradient_checkpointing=bool(args.activation_checkpointing))
+        model = self.add_peft(model, model_config, args, peft_config)
 
         train_dataset = self._prepare(train_dataset, processing_class, args, "train")
         if isinstance(eval_dataset, dict):
@@ -100,9 +94,8 @@ class SFTTrainer(Trainer):
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, data_collator=data_collator, callbacks=callbacks,
                          **kwargs)
-        self._counts = {mode: {"correct": 0, "total": 0, "tokens": 0} for mode in ("train", "eval")}
         self._num_tokens = 0
-        self._last_log = (time.perf_counter(), 0)
+        self._last_log = time.perf_counter()
 
     # -- setup ---------------------------------------------------------------------------------
     @staticmethod
@@ -141,50 +134,33 @@ class SFTTrainer(Trainer):
                                assistant_only_loss=args.assistant_only_loss,
                                pad_to_multiple_of=args.pad_to_multiple_of)
 
-    def _set_signature_columns_if_needed(self):
-        if self._signature_columns is None:
-            self._signature_columns = list(_FEATURE_COLUMNS)
-
     # -- loss and metrics ----------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if is_packed_batch(inputs):
             inputs = {**inputs, "use_cache": False}
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
-        mode = "train" if model.training else "eval"
         if "labels" in inputs and getattr(outputs, "logits", None) is not None:
             with torch.no_grad():
                 correct, total = token_accuracy_counts(outputs.logits, inputs["labels"])
-            counts = self._counts[mode]
-            counts["correct"] += correct
-            counts["total"] += total
+            metrics = self.metrics["train" if model.training else "eval"]
+            metrics.add("mean_token_accuracy", correct, total)
             real = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
-            counts["tokens"] += real
+            metrics.add("num_tokens", real, 0)
         return (loss, outputs) if return_outputs else loss
 
-    def _reduce(self, value) -> float:
-        t = torch.as_tensor(value, device=self.accelerator.device, dtype=torch.float64)
-        return self.accelerator.reduce(t, reduction="sum").item()
-
-    def log(self, logs: dict, start_time: float | None = None) -> None:
-        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
-        counts = self._counts[mode]
-        total = self._reduce(counts["total"])
-        correct = self._reduce(counts["correct"])
-        tokens = self._reduce(counts["tokens"])
-        prefix = "eval_" if mode == "eval" else ""
-        if total > 0:
-            logs[f"{prefix}mean_token_accuracy"] = correct / total
+    def logged_metrics(self, mode: str, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
+        """Token accuracy; for training also the real (non-pad) tokens seen so far and their rate since the last log."""
+        logs = super().logged_metrics(mode, {k: v for k, v in totals.items() if k != "num_tokens"})
+        tokens = totals.get("num_tokens", (0.0, 0.0))[0]
         if mode == "train" and tokens > 0:
-            self._num_tokens += tokens
             now = time.perf_counter()
-            last_time, _ = self._last_log
+            self._num_tokens += tokens
             logs["num_tokens"] = self._num_tokens
-            logs["tokens_per_second"] = tokens / max(now - last_time, 1e-9)
-            self._last_log = (now, self._num_tokens)
-        self._counts[mode] = {"correct": 0, "total": 0, "tokens": 0}
-        super().log(logs, start_time)
+            logs["tokens_per_second"] = tokens / max(now - self._last_log, 1e-9)
+            self._last_log = now
+        return logs
 
     def train(self, *args, **kwargs):
-        self._last_log = (time.perf_counter(), self._num_tokens)
+        self._last_log = time.perf_counter()
         return super().train(*args, **kwargs)

@@ -267,3 +267,23 @@ def test_bad_pairs_fail_before_training(tmp_path, tokenizer):
     with pytest.raises(DataValidationError, match="row 1, field 'rejected'"):
         RewardTrainer(build_toy_reward_model(tokenizer, "tiny"), args=make_args(tmp_path), train_dataset=rows,
                       processing_class=tokenizer)
+
+
+def test_value_head_model_resumes_from_a_checkpoint_exactly(tmp_path, tokenizer, pairs):
+    # a ValueHeadModel is not a PreTrainedModel: the shared trainer base saves it with its own save_pretrained and
+    # resumes it with load_checkpoint (this raised NotImplementedError before)
+    def run(output_dir, max_steps, resume=None):
+        model = ValueHeadModel(build_toy_model(tokenizer, "tiny", seed=5))
+        args = make_args(tmp_path, output_dir=str(output_dir), max_steps=max_steps, logging_steps=1,
+                         save_strategy="steps", save_steps=2)
+        trainer = RewardTrainer(model, args=args, train_dataset=pairs, processing_class=tokenizer)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full", 4)  # writes checkpoint-2 (and -4) on its way
+    resumed = run(tmp_path / "resumed", 4, resume=str(tmp_path / "full" / "checkpoint-2"))
+    losses = {h["step"]: h["loss"] for h in full.state.log_history if "loss" in h}
+    resumed_losses = {h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h and h["step"] > 2}
+    assert resumed_losses == {step: losses[step] for step in (3, 4)}
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)

@@ -7,7 +7,8 @@ import torch
 from torch.testing import assert_close
 
 from hf_rlhf.losses import pairwise_metric_sums, pairwise_metrics_from_sums, pairwise_reward_loss
-from hf_rlhf.reward_models import gather_last_token_scores, last_token_columns, last_token_index_packed
+from hf_rlhf.reward_models import gather_last_token_scores, last_token_columns
+from hf_rlhf.tensors import last_token_index_packed
 
 CHOSEN = [1.0, 0.5, -0.2]
 REJECTED = [0.0, 1.0, -0.5]
