@@ -256,13 +256,16 @@ def load_weights(model: nn.Module, directory: str, adapter_name: str | None = No
     from safetensors.torch import load_file
 
     if _is_peft(model):
-        from peft import set_peft_model_state_dict
+        from peft import load_peft_weights, set_peft_model_state_dict
 
-        path = os.path.join(directory, "adapter_model.safetensors")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} not found: the policy is a PeftModel but {directory} has no adapter")
+        # checked here: load_peft_weights would go looking for `directory` on the Hub
+        if not any(os.path.isfile(os.path.join(directory, name))
+                   for name in ("adapter_model.safetensors", "adapter_model.bin")):
+            raise FileNotFoundError(f"no adapter_model.safetensors in {directory}: the policy is a PeftModel but "
+                                    f"{directory} has no adapter")
         adapter_name = adapter_name or model.active_adapter
-        result = set_peft_model_state_dict(model, load_file(path), adapter_name=adapter_name)
+        weights = load_peft_weights(directory, device="cpu")  # on CPU as before; loading copies them into place
+        result = set_peft_model_state_dict(model, weights, adapter_name=adapter_name)
         unexpected = list(getattr(result, "unexpected_keys", []))
         if unexpected:
             raise ValueError(f"adapter weights in {directory} do not match the model: unexpected {unexpected[:5]}")
