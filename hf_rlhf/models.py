@@ -1,6 +1,6 @@
 """Model loading: dtype, attention implementation, bitsandbytes 4/8-bit and LoRA through peft.
 
-Everything here is a thin layer over `from_pretrained`, `BitsAndBytesConfig`, `peft.LoraConfig`,
+Everything here is a thin layer over `from_pretrained`, `trl.get_quantization_config`, `trl.get_peft_config`,
 `peft.prepare_model_for_kbit_training` and `peft.get_peft_model`: the same calls a user would write,
 driven by one `ModelConfig`.
 """
