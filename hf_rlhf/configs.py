@@ -18,6 +18,8 @@ it every process trains alone on all the data, and they all write the same outpu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import trl
 from transformers import TrainingArguments
 
 from .imports import is_flash_attn_available
@@ -41,17 +43,24 @@ def default_attn_implementation() -> str:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(trl.ModelConfig):
     """How to load a model: weights, dtype, attention, LoRA adapters and bitsandbytes quantization.
 
-    Names follow `trl.ModelConfig`; `bnb_4bit_use_double_quant` is transformers' name for what TRL
-    calls `use_bnb_nested_quant` (both are accepted, either turns it on).
+    A `trl.ModelConfig` (every TRL option, same names) with what differs here:
+    - `dtype` defaults to "auto": a bf16 checkpoint stays bf16 instead of TRL's fp32 copy at twice the memory.
+    - `attn_implementation=None` resolves per device: flash_attention_2 with flash-attn on CUDA, else sdpa.
+    - `lora_target_modules=None` means every linear layer but the head (peft's "all-linear"), not peft's per-model
+      default (q_proj, v_proj on Llama).
+    - `bnb_4bit_use_double_quant` (transformers' name) is accepted with TRL's `use_bnb_nested_quant`; either
+      turns nested quantization on.
+    - `bnb_4bit_compute_dtype` (None: bfloat16 on CUDA, float32 on CPU) and `trust_remote_code` are added.
+    - a 4/8-bit base without `use_peft` is an error (it could not be trained).
     """
 
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Hub id or local path. None: the recipe's embedded toy model."}
     )
-    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit to load."})
+    # "auto", not TRL's "float32": load weights in the dtype they were saved in
     dtype: str = field(
         default="auto",
         metadata={"help": "Weights dtype: auto, float32, bfloat16 or float16.",
@@ -62,40 +71,26 @@ class ModelConfig:
         metadata={"help": "eager, sdpa or flash_attention_2. None: flash_attention_2 when flash-attn and CUDA "
                           "are available, else sdpa."},
     )
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom modelling code from the Hub."})
-    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
     lora_target_modules: list[str] | None = field(
         default=None, metadata={"help": "Modules to adapt. None: all linear layers except the output head."}
     )
-    lora_modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Extra modules trained in full and saved with the adapter (e.g. a score head)."}
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom modelling code from the Hub."})
+    bnb_4bit_use_double_quant: bool = field(
+        default=False, metadata={"help": "Quantize the quantization constants (TRL: use_bnb_nested_quant)."}
     )
-    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "peft task type (CAUSAL_LM, SEQ_CLS)."})
-    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA scaling alpha/sqrt(r)."})
-    use_dora: bool = field(default=False, metadata={"help": "Weight-decomposed LoRA (DoRA)."})
-    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes)."})
-    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base in 8 bit (bitsandbytes)."})
-    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit type.", "choices": ["nf4", "fp4"]})
-    bnb_4bit_use_double_quant: bool = field(default=False, metadata={"help": "Quantize the quantization constants."})
-    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "TRL's name for bnb_4bit_use_double_quant."})
     bnb_4bit_compute_dtype: str | None = field(
         default=None, metadata={"help": "Compute dtype of 4-bit layers. None: bfloat16 on CUDA, float32 on CPU."}
     )
-    bnb_4bit_quant_storage: str | None = field(default=None, metadata={"help": "Storage dtype of 4-bit weights."})
 
     def __post_init__(self):
+        # checked before TRL's __post_init__ so that the messages say what to do
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("ModelConfig: load_in_4bit and load_in_8bit cannot both be set.")
         if (self.load_in_4bit or self.load_in_8bit) and not self.use_peft:
             raise ValueError("ModelConfig: a 4/8-bit base cannot be trained in full; set use_peft=True (QLoRA).")
-        if self.use_bnb_nested_quant:
-            self.bnb_4bit_use_double_quant = True
-        if isinstance(self.lora_target_modules, list) and len(self.lora_target_modules) == 1:
-            # "all-linear" or one module name given on the command line
-            self.lora_target_modules = self.lora_target_modules[0]
+        super().__post_init__()  # one-element lora_target_modules ("all-linear", one module name) -> that string
+        self.use_bnb_nested_quant = self.bnb_4bit_use_double_quant = (
+            self.use_bnb_nested_quant or self.bnb_4bit_use_double_quant)
         if self.attn_implementation is None:
             self.attn_implementation = default_attn_implementation()
         elif self.attn_implementation.startswith("flash_attention") and not is_flash_attn_available():

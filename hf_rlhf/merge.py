@@ -1,6 +1,6 @@
 """Merge a LoRA adapter into its base model and save a plain transformers model.
 
-    python -m hf_rlhf.merge --adapter outputs/sft --output outputs/sft-merged [--base path] [--dtype float32]
+    python -m hf_rlhf.merge --adapter outputs/sft --output outputs/sft-merged [--base_model_name_or_path path] [--dtype float32]
 
 The merged model's logits match the adapter model's (on the same, unquantized base). A QLoRA adapter is
 merged into the base loaded in `--dtype` (not 4-bit): merging into 4-bit weights would round the sum.
@@ -19,9 +19,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from .models import resolve_dtype
 
 
-def _base_path(adapter_dir: str, base: str | None) -> str:
-    if base is not None:
-        return base
+def _recorded_base(adapter_dir: str) -> str:
     config_file = os.path.join(adapter_dir, "adapter_config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"{adapter_dir} has no adapter_config.json: is it a LoRA adapter directory?")
@@ -29,18 +27,48 @@ def _base_path(adapter_dir: str, base: str | None) -> str:
         return json.load(f)["base_model_name_or_path"]
 
 
+def load_merged(adapter_dir: str, base_model: str | None = None, dtype: str = "float32", task: str = "causal_lm"):
+    """The adapter merged into its base: `peft.AutoPeftModelFor*.from_pretrained(...).merge_and_unload()`.
+
+    Args:
+        base_model: load this base instead of the one recorded in adapter_config.json (then through
+            `PeftModel.from_pretrained`, since AutoPeftModel reads the base only from the adapter's config).
+        task: "causal_lm", or "seq_cls" for a reward model (one label, as `RewardTrainer` trains it).
+
+    Raises:
+        FileNotFoundError: no adapter_config.json, or the base model cannot be found.
+    """
+    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification, PeftModel
+
+    recorded = _recorded_base(adapter_dir)
+    auto_class, model_class, kwargs = (
+        (AutoPeftModelForCausalLM, AutoModelForCausalLM, {}) if task == "causal_lm"
+        else (AutoPeftModelForSequenceClassification, AutoModelForSequenceClassification, {"num_labels": 1}))
+    kwargs["dtype"] = resolve_dtype(dtype)
+    base = base_model or recorded
+    try:
+        if base_model is None:
+            model = auto_class.from_pretrained(adapter_dir, **kwargs)
+        else:
+            model = PeftModel.from_pretrained(model_class.from_pretrained(base_model, **kwargs), adapter_dir)
+    except OSError as err:
+        if os.path.isdir(base):
+            raise
+        where = "given as --base_model_name_or_path" if base_model else "recorded in adapter_config.json"
+        raise FileNotFoundError(
+            f"base model {base!r} {where} not found: pass --base_model_name_or_path (a local directory, or a hub "
+            "id, in the Hugging Face cache when offline)") from err
+    return model.merge_and_unload()
+
+
 def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = None, dtype: str = "float32",
                   task: str = "causal_lm"):
-    """Load `base_model` (default: the adapter's recorded base), apply the adapter, merge, save.
+    """Merge the adapter into its base (`load_merged`) and save it with the adapter's tokenizer.
 
     The output is written to a temporary directory first and moved into place at the end, so a failed
     merge leaves no half-written `output_dir`. Returns the merged model.
     """
-    from peft import PeftModel
-
-    model_class = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
-    base = model_class.from_pretrained(_base_path(adapter_dir, base_model), dtype=resolve_dtype(dtype))
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged = load_merged(adapter_dir, base_model, dtype, task)
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".merge-", dir=parent)
@@ -63,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hf_rlhf.merge", description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapter", required=True, help="directory of a saved LoRA adapter")
     parser.add_argument("--output", required=True, help="where to write the merged model")
-    parser.add_argument("--base", default=None, help="base model (default: the adapter's base_model_name_or_path)")
+    parser.add_argument("--base_model_name_or_path", "--base", dest="base", default=None,
+                        help="base model (default: the adapter's base_model_name_or_path)")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--task", default="causal_lm", choices=["causal_lm", "seq_cls"])
     args = parser.parse_args(argv)

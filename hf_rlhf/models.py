@@ -1,17 +1,19 @@
 """Model loading: dtype, attention implementation, bitsandbytes 4/8-bit and LoRA through peft.
 
-Everything here is a thin layer over `from_pretrained`, `BitsAndBytesConfig`, `peft.LoraConfig`,
+Everything here is a thin layer over `from_pretrained`, `trl.get_quantization_config`, `trl.get_peft_config`,
 `peft.prepare_model_for_kbit_training` and `peft.get_peft_model`: the same calls a user would write,
 driven by one `ModelConfig`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from trl import get_peft_config, get_quantization_config
 
 from .configs import ModelConfig
 from .imports import require
@@ -31,48 +33,32 @@ def resolve_dtype(name: str | None) -> torch.dtype | str | None:
 
 
 def quantization_config(model_config: ModelConfig):
-    """A `BitsAndBytesConfig` for 4/8-bit loading, or None. Needs the `qlora` extra."""
+    """A `BitsAndBytesConfig` for 4/8-bit loading, or None: `trl.get_quantization_config`. Needs the `qlora` extra.
+
+    TRL takes the 4-bit compute dtype from `dtype`, which is invalid for "auto" (our default) and bf16 on CPU
+    is slow; so TRL is asked with `dtype` set to `bnb_4bit_compute_dtype` (None: bfloat16 on CUDA, float32 on CPU).
+    """
     if not (model_config.load_in_4bit or model_config.load_in_8bit):
         return None
     require("bitsandbytes", "4/8-bit loading (QLoRA)")
-    from transformers import BitsAndBytesConfig
-
-    if model_config.load_in_8bit:
-        return BitsAndBytesConfig(load_in_8bit=True)
-    compute = model_config.bnb_4bit_compute_dtype
-    # bf16 matmuls are slow on most CPUs; fp32 compute keeps QLoRA usable there
-    compute_dtype = resolve_dtype(compute) if compute else (
-        torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-    storage = resolve_dtype(model_config.bnb_4bit_quant_storage) if model_config.bnb_4bit_quant_storage else None
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=model_config.bnb_4bit_quant_type,
-        bnb_4bit_use_double_quant=model_config.bnb_4bit_use_double_quant,
-        bnb_4bit_compute_dtype=compute_dtype,
-        bnb_4bit_quant_storage=storage or torch.uint8,
-    )
+    compute = model_config.bnb_4bit_compute_dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    for name in (compute, model_config.bnb_4bit_quant_storage):
+        resolve_dtype(name)  # a clear error for a bad dtype name before transformers' getattr(torch, name)
+    return get_quantization_config(dataclasses.replace(model_config, dtype=compute))
 
 
 def lora_config(model_config: ModelConfig, task_type: str | None = None):
-    """A `peft.LoraConfig` from `ModelConfig`, or None when `use_peft` is off.
+    """A `peft.LoraConfig` from `ModelConfig` (`trl.get_peft_config`), or None when `use_peft` is off.
 
-    `lora_target_modules=None` adapts every linear layer except the output head (peft's "all-linear").
+    `lora_target_modules=None` adapts every linear layer except the output head (peft's "all-linear"), where
+    TRL would leave None to peft's per-model default (q_proj, v_proj on Llama). `task_type` overrides
+    `model_config.lora_task_type`.
     """
-    if not model_config.use_peft:
+    config = get_peft_config(model_config)
+    if config is None:
         return None
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=model_config.lora_r,
-        lora_alpha=model_config.lora_alpha,
-        lora_dropout=model_config.lora_dropout,
-        target_modules=model_config.lora_target_modules or "all-linear",
-        modules_to_save=model_config.lora_modules_to_save,
-        task_type=task_type or model_config.lora_task_type,
-        use_rslora=model_config.use_rslora,
-        use_dora=model_config.use_dora,
-        bias="none",
-    )
+    return dataclasses.replace(config, target_modules=model_config.lora_target_modules or "all-linear",
+                               task_type=task_type or model_config.lora_task_type)
 
 
 def _device_map(quantized: bool):
@@ -175,13 +161,16 @@ def load_weights(model: nn.Module, directory: str, adapter_name: str | None = No
     from safetensors.torch import load_file
 
     if is_peft_model(model):
-        from peft import set_peft_model_state_dict
+        from peft import load_peft_weights, set_peft_model_state_dict
 
-        path = os.path.join(directory, "adapter_model.safetensors")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} not found: the policy is a PeftModel but {directory} has no adapter")
+        # checked here: load_peft_weights would go looking for `directory` on the Hub
+        if not any(os.path.isfile(os.path.join(directory, name))
+                   for name in ("adapter_model.safetensors", "adapter_model.bin")):
+            raise FileNotFoundError(f"no adapter_model.safetensors in {directory}: the policy is a PeftModel but "
+                                    f"{directory} has no adapter")
         adapter_name = adapter_name or model.active_adapter
-        result = set_peft_model_state_dict(model, load_file(path), adapter_name=adapter_name)
+        weights = load_peft_weights(directory, device="cpu")  # on CPU as before; loading copies them into place
+        result = set_peft_model_state_dict(model, weights, adapter_name=adapter_name)
         unexpected = list(getattr(result, "unexpected_keys", []))
         if unexpected:
             raise ValueError(f"adapter weights in {directory} do not match the model: unexpected {unexpected[:5]}")

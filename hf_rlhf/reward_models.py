@@ -309,6 +309,7 @@ def get_rewards(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
 
 def disable_dropout(model: nn.Module) -> None:
     """Set every dropout probability of `model` to 0 (`nn.Dropout` modules and `attention_dropout` floats)."""
+    # kept, not trl's disable_dropout_in_model: that one misses `attention_dropout` (a float attention reads)
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0

@@ -128,6 +128,7 @@ class PackingCollator:
             padding = width - len(input_ids)
             if padding:
                 # One dummy sequence rather than `padding` sequences of length 1: one more boundary, not many.
+                # (not trl's `pad`: it fills one constant, and the dummy needs its own position ids)
                 input_ids += [pad_id] * padding
                 labels += [IGNORE_INDEX] * padding
                 lengths.append(padding)

@@ -185,6 +185,8 @@ class PairwiseCollator:
         order = ["input_ids", "position_ids", "last_token_index"]
         return {k: batch[k] for k in order} | {k: v for k, v in batch.items() if k not in order}
 
+    # pad_sequences, not trl's `pad`: the same tensors (tests/unit/test_library_adoption.py), and trl's made the
+    # padded layout 1.3x slower (256 pairs of 20-300 tokens: 35 vs 46 ms, best of 15 on this CPU)
     def _shared(self, chosen, rejected) -> dict[str, Any]:
         rows, segments, positions, ends = [], [], [], ([], [])
         for c, r in zip(chosen, rejected):
