@@ -112,7 +112,8 @@ class SFTTrainer(Trainer):
         if "input_ids" in dataset.column_names:
             prepared = dataset
         else:
-            prepared = prepare_sft_dataset(dataset, tokenizer, args)
+            with args.main_process_first(desc=f"{name} dataset tokenization"):  # other ranks read rank 0's map cache
+                prepared = prepare_sft_dataset(dataset, tokenizer, args)
             logger.info("%s dataset: %d rows tokenized", name, len(prepared))
         if args.packing:
             from trl.data_utils import pack_dataset
