@@ -8,6 +8,7 @@ and the over-long policy applied to a tokenized dataset (`apply_length_policy`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -175,6 +176,27 @@ def check_chat_template(tokenizer, fmt: str, assistant_only_loss: bool,
 
 # ---------------------------------------------------------------------------------------------------
 # Tokenization
+
+
+def main_process_first_if_cached(args, dataset, desc: str):
+    """`args.main_process_first(desc=desc)` for a dataset backed by cache files, else a context that does nothing.
+
+    With cache files (`load_dataset`, `load_from_disk`) the local main process tokenizes first and writes the
+    `Dataset.map` cache, which the other ranks then load instead of tokenizing again. In-memory data (a list of
+    dicts, `Dataset.from_list`) writes no cache, so waiting would only serialize the ranks. A single process never
+    waits either way.
+
+    Args:
+        args: the trainer's `TrainingArguments`.
+        dataset: the raw dataset about to be prepared.
+        desc: what is prepared, for transformers' debug log.
+
+    Returns:
+        A context manager.
+    """
+    if isinstance(dataset, Dataset) and dataset.cache_files:
+        return args.main_process_first(desc=desc)
+    return contextlib.nullcontext()
 
 
 def with_eos(ids: list[int], eos_id: int) -> list[int]:

@@ -24,7 +24,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from ..collators import PairwiseCollator
 from ..configs import ModelConfig, RewardConfig
-from ..data import ensure_pad_token, prepare_preference_dataset
+from ..data import ensure_pad_token, main_process_first_if_cached, prepare_preference_dataset
 from ..losses import pairwise_metric_sums, pairwise_metrics_from_sums, pairwise_reward_loss
 from ..models import apply_lora, lora_config, resolve_model
 from ..reward_models import (
@@ -145,7 +145,7 @@ class RewardTrainer(Trainer):
     def _prepare(dataset, tokenizer, args, name):
         if dataset is None:
             return None
-        with args.main_process_first(desc=f"{name} dataset tokenization"):  # other ranks read rank 0's map cache
+        with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
             prepared, stats = prepare_preference_dataset(dataset, tokenizer, args, return_stats=True)
         logger.info("%s dataset: %d pairs (%d over max_length truncated, %d dropped)", name, len(prepared),
                     stats["n_truncated"], stats["n_dropped"])

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, Trainer, set_seed
 
 from ..collators import PackingCollator, PaddingCollator
 from ..configs import ModelConfig, SFTConfig
-from ..data import ensure_pad_token, prepare_sft_dataset, resolve_chat_template
+from ..data import ensure_pad_token, main_process_first_if_cached, prepare_sft_dataset, resolve_chat_template
 from ..models import apply_lora, lora_config, resolve_model
 
 logger = logging.getLogger("hf_rlhf")
@@ -112,7 +112,7 @@ class SFTTrainer(Trainer):
         if "input_ids" in dataset.column_names:
             prepared = dataset
         else:
-            with args.main_process_first(desc=f"{name} dataset tokenization"):  # other ranks read rank 0's map cache
+            with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
                 prepared = prepare_sft_dataset(dataset, tokenizer, args)
             logger.info("%s dataset: %d rows tokenized", name, len(prepared))
         if args.packing:

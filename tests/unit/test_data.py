@@ -466,3 +466,27 @@ def test_errors_name_the_options_class_passed(tokenizer):
         prepare_sft_dataset([{"messages": conv("hi", "yo")}], tok, DataOptions())
     with pytest.raises(ValueError, match=r"SFTDataOptions.eos_token='<nope>' is not in the tokenizer's vocabulary"):
         prepare_sft_dataset([{"text": "hi"}], tokenizer, sft_args(eos_token="<nope>"))
+
+
+def test_main_process_goes_first_only_for_cached_datasets(tmp_path):
+    from hf_rlhf.data import main_process_first_if_cached
+
+    class Args:  # records what the trainer's prepare step asks of TrainingArguments
+        def __init__(self):
+            self.calls = []
+
+        def main_process_first(self, desc):
+            self.calls.append(desc)
+            return SFTConfig.main_process_first(SFTConfig(output_dir=str(tmp_path), report_to=[]), desc=desc)
+
+    rows = [{"text": "hi"}, {"text": "yo"}]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    on_disk = Dataset.load_from_disk(str(tmp_path / "ds"))
+    args = Args()
+    for data in (rows, Dataset.from_list(rows)):  # in memory: no cache to share, so no rank waits
+        with main_process_first_if_cached(args, data, "train"):
+            pass
+    assert args.calls == []
+    with main_process_first_if_cached(args, on_disk, "train dataset tokenization"):
+        pass
+    assert args.calls == ["train dataset tokenization"]
