@@ -4,6 +4,10 @@
 `transformers.TrainingArguments` subclasses, so every Trainer option (optimizer, scheduler, logging,
 checkpoints, DeepSpeed, ...) works unchanged. Option names follow TRL where TRL has the same option.
 
+Dataset preparation reads a `DataOptions` (`SFTDataOptions` for SFT data, `PreferenceDataOptions` for pairs);
+`SFTConfig` and `RewardConfig` inherit those, so a trainer config is passed to `hf_rlhf.data` as is, and code
+without a trainer config (PPO's ptx data, tests) builds a plain `DataOptions`.
+
 Device-dependent defaults: `bf16` and `activation_checkpointing` (formerly
 `gradient_checkpointing`) are left unset (`None`) and resolved in
 `__post_init__`: on CUDA both are on (as in TRL); on CPU both are off, because bf16 autocast plus
@@ -100,6 +104,95 @@ class ModelConfig(trl.ModelConfig):
             )
 
 
+# ---------------------------------------------------------------------------------------------------
+# Data options: what dataset preparation reads (`hf_rlhf.data.prepare_sft_dataset` /
+# `prepare_preference_dataset`). The trainer configs inherit them, so a config is itself a data options object.
+
+OVERLONG_CHOICES = ["truncate", "drop", "error"]
+
+
+@dataclass
+class DataOptions:
+    """Dataset preparation options shared by SFT and reward data (mixed into `SFTConfig` and `RewardConfig`).
+
+    Usable alone where no trainer config exists, e.g. `DataOptions(max_length=None)` for PPO's ptx data.
+
+    Args:
+        dataset_num_proc: processes for `Dataset.map` while tokenizing; None: this process only.
+        max_length: longest tokenized sequence; None: no limit.
+        overlong_policy: a sequence longer than `max_length`: `truncate` (keep the start), `drop`, or `error`.
+        chat_template_path: a tokenizer directory or a Jinja file whose template replaces the tokenizer's one.
+        eos_token: the token appended to plain text; None: the tokenizer's eos token.
+        pad_token: the padding token; None: the tokenizer's (read by the trainers, `ensure_pad_token`).
+    """
+
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preparation."})
+    max_length: int | None = field(default=1024, metadata={"help": "Longest tokenized sequence."})
+    overlong_policy: str = field(
+        default="truncate",
+        metadata={"help": "Sequences longer than max_length: truncate (keep the start), drop, or error.",
+                  "choices": OVERLONG_CHOICES},
+    )
+    chat_template_path: str | None = field(default=None, metadata={"help": "Tokenizer dir or Jinja file."})
+    eos_token: str | None = field(default=None, metadata={"help": "End-of-sequence token. None: the tokenizer's."})
+    pad_token: str | None = field(default=None, metadata={"help": "Padding token. None: the tokenizer's."})
+
+    def __post_init__(self):
+        name = type(self).__name__
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"{name}.max_length must be >= 2, got {self.max_length}.")
+        if self.overlong_policy not in OVERLONG_CHOICES:
+            raise ValueError(f"{name}.overlong_policy={self.overlong_policy!r}; expected one of {OVERLONG_CHOICES}.")
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:  # mixed into a TrainingArguments: its own __post_init__ runs next
+            parent()
+
+
+@dataclass
+class SFTDataOptions(DataOptions):
+    """`DataOptions` plus what only SFT data reads; `SFTConfig` is one. Defaults and help texts are SFT's.
+
+    Args:
+        dataset_text_field: column of plain-text datasets.
+        completion_only_loss: loss on the completion only (None: yes for prompt/completion data); truncation
+            must leave a completion token, or the example is dropped.
+        assistant_only_loss: loss on assistant turns only (conversational data; the chat template must mark them).
+    """
+
+    max_length: int | None = field(default=1024, metadata={"help": "Longest tokenized example / packed row length."})
+    overlong_policy: str = field(
+        default="truncate",
+        metadata={"help": "Examples longer than max_length: truncate (keep the start), drop, or error.",
+                  "choices": OVERLONG_CHOICES},
+    )
+    eos_token: str | None = field(default=None, metadata={"help": "End-of-turn token. None: the tokenizer's."})
+    dataset_text_field: str = field(default="text", metadata={"help": "Column of plain-text datasets."})
+    completion_only_loss: bool | None = field(
+        default=None, metadata={"help": "Loss on completions only. None: yes for prompt/completion datasets."}
+    )
+    assistant_only_loss: bool = field(default=False, metadata={"help": "Loss on assistant turns only."})
+
+
+@dataclass
+class PreferenceDataOptions(DataOptions):
+    """`DataOptions` plus what only preference pairs read; `RewardConfig` is one. Defaults and help are its.
+
+    Args:
+        overlong_policy: defaults to `drop` (TRL filters over-long pairs); see `RewardConfig`.
+        use_margin: use the dataset's `margin` column. None: when the column is there.
+    """
+
+    max_length: int | None = field(default=1024, metadata={"help": "Longest tokenized chosen or rejected sequence."})
+    overlong_policy: str = field(
+        default="drop",
+        metadata={"help": "Pairs with a side longer than max_length: drop, truncate (keep the start; pairs left "
+                          "identical are dropped), or error.", "choices": OVERLONG_CHOICES},
+    )
+    use_margin: bool | None = field(
+        default=None, metadata={"help": "Use the 'margin' column in the loss. None: when the dataset has one."}
+    )
+
+
 class DeviceDefaultsMixin:
     """Resolve `bf16` / `activation_checkpointing` left as None from the device (see module docstring)."""
 
@@ -131,16 +224,17 @@ def _deepspeed_launch(args) -> bool:
 
 
 @dataclass
-class SFTConfig(DeviceDefaultsMixin, TrainingArguments):
+class SFTConfig(SFTDataOptions, DeviceDefaultsMixin, TrainingArguments):
     """Supervised fine-tuning options (a `TrainingArguments`).
 
-    Data:
+    Data (`SFTDataOptions`, read by `hf_rlhf.data.prepare_sft_dataset`):
         dataset_text_field: column of plain-text datasets.
         max_length: longest tokenized example; also the packed row length.
         overlong_policy: what to do with an example longer than `max_length`: `truncate` (keep the
             start, TRL's `keep_start`), `drop`, or `error`. The number affected is logged.
         chat_template_path: a tokenizer directory or a Jinja file whose template replaces the
             tokenizer's one.
+        dataset_num_proc, eos_token, pad_token: see `DataOptions`.
     Packing:
         packing: pack the dataset into rows of `max_length` (best-fit decreasing, `trl.pack_dataset`);
             examples never attend to each other (restarted `position_ids`, no attention mask).
@@ -155,17 +249,6 @@ class SFTConfig(DeviceDefaultsMixin, TrainingArguments):
     bf16: bool | None = field(
         default=None, metadata={"help": "bf16 mixed precision. None: on for CUDA with bf16, off on CPU."}
     )
-    dataset_text_field: str = field(default="text", metadata={"help": "Column of plain-text datasets."})
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preparation."})
-    max_length: int | None = field(default=1024, metadata={"help": "Longest tokenized example / packed row length."})
-    overlong_policy: str = field(
-        default="truncate",
-        metadata={"help": "Examples longer than max_length: truncate (keep the start), drop, or error.",
-                  "choices": ["truncate", "drop", "error"]},
-    )
-    chat_template_path: str | None = field(default=None, metadata={"help": "Tokenizer dir or Jinja file."})
-    eos_token: str | None = field(default=None, metadata={"help": "End-of-turn token. None: the tokenizer's."})
-    pad_token: str | None = field(default=None, metadata={"help": "Padding token. None: the tokenizer's."})
     packing: bool = field(default=False, metadata={"help": "Pack examples into rows of max_length."})
     packing_strategy: str = field(
         default="bfd", metadata={"help": "Dataset packing strategy (trl.pack_dataset).",
@@ -173,32 +256,26 @@ class SFTConfig(DeviceDefaultsMixin, TrainingArguments):
     )
     padding_free: bool = field(default=False, metadata={"help": "Concatenate each batch into one row."})
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad batches to a multiple of this."})
-    completion_only_loss: bool | None = field(
-        default=None, metadata={"help": "Loss on completions only. None: yes for prompt/completion datasets."}
-    )
-    assistant_only_loss: bool = field(default=False, metadata={"help": "Loss on assistant turns only."})
 
     def __post_init__(self):
         self._resolve_device_defaults()
-        super().__post_init__()
-        if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"SFTConfig.max_length must be >= 2, got {self.max_length}.")
+        super().__post_init__()  # SFTDataOptions' checks, then TrainingArguments'
         if self.packing and self.max_length is None:
             raise ValueError("SFTConfig: packing=True needs max_length (the packed row length).")
 
 
 
 @dataclass
-class RewardConfig(DeviceDefaultsMixin, TrainingArguments):
+class RewardConfig(PreferenceDataOptions, DeviceDefaultsMixin, TrainingArguments):
     """Pairwise reward-model training options (a `TrainingArguments`).
 
-    Data:
+    Data (`PreferenceDataOptions`, read by `hf_rlhf.data.prepare_preference_dataset`):
         max_length: longest tokenized chosen or rejected sequence.
         overlong_policy: a pair with a side longer than `max_length`: `drop` (the default, as TRL filters such
             pairs), `truncate` (keep the start of both; a pair whose truncated sides are identical is dropped, as
             the cut removed every token where they differ), or `error`. The number affected is logged.
         use_margin: use the dataset's `margin` column in the loss. None: when the column is there.
-        dataset_num_proc, eos_token, pad_token, chat_template_path: as in `SFTConfig`.
+        dataset_num_proc, eos_token, pad_token, chat_template_path: see `DataOptions`.
     Batches:
         padding_side: `right` or `left` padding of padded batches (rewards are read at each sequence's last real
             token either way).
@@ -226,19 +303,6 @@ class RewardConfig(DeviceDefaultsMixin, TrainingArguments):
         default=None, metadata={"help": "bf16 mixed precision. None: on for CUDA with bf16, off on CPU."}
     )
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
-    chat_template_path: str | None = field(default=None, metadata={"help": "Tokenizer dir or Jinja file."})
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preparation."})
-    eos_token: str | None = field(default=None, metadata={"help": "End-of-sequence token. None: the tokenizer's."})
-    pad_token: str | None = field(default=None, metadata={"help": "Padding token. None: the tokenizer's."})
-    max_length: int | None = field(default=1024, metadata={"help": "Longest tokenized chosen or rejected sequence."})
-    overlong_policy: str = field(
-        default="drop",
-        metadata={"help": "Pairs with a side longer than max_length: drop, truncate (keep the start; pairs left "
-                          "identical are dropped), or error.", "choices": ["truncate", "drop", "error"]},
-    )
-    use_margin: bool | None = field(
-        default=None, metadata={"help": "Use the 'margin' column in the loss. None: when the dataset has one."}
-    )
     padding_side: str = field(
         default="right", metadata={"help": "Padding side of padded batches.", "choices": ["right", "left"]}
     )
@@ -259,9 +323,7 @@ class RewardConfig(DeviceDefaultsMixin, TrainingArguments):
 
     def __post_init__(self):
         self._resolve_device_defaults()
-        super().__post_init__()
-        if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"RewardConfig.max_length must be >= 2, got {self.max_length}.")
+        super().__post_init__()  # PreferenceDataOptions' checks, then TrainingArguments'
         if self.padding_free and self.prefix_sharing:
             raise ValueError("RewardConfig: padding_free and prefix_sharing are two different batch layouts; "
                              "choose one.")

@@ -31,14 +31,14 @@ from datasets import Dataset
 from ..data import (
     MISSING,
     DataValidationError,
-    _Raw,
-    _special_prefix,
+    Verbatim,
     as_dataset,
     check_messages,
     check_not_empty,
     check_text,
     column_names,
     is_conversational_column,
+    special_prefix,
     validate_rows,
 )
 from .experience import Experience
@@ -75,13 +75,13 @@ def prepare_prompt_dataset(dataset, tokenizer, args) -> Dataset:
         dataset, columns = dataset.rename_column("messages", "prompt"), [c if c != "messages" else "prompt"
                                                                           for c in columns]
     if "prompt" not in columns:
-        raise DataValidationError(None, None, "a 'prompt' or 'messages' column", _Raw(f"columns {columns}"))
+        raise DataValidationError(None, None, "a 'prompt' or 'messages' column", Verbatim(f"columns {columns}"))
     conversational = is_conversational_column(dataset, "prompt")
     validate_rows(dataset, {"prompt": check_messages if conversational else check_text})
     if conversational and tokenizer.chat_template is None:
         raise ValueError("the prompts are conversational but the tokenizer has no chat template")
     if "input_ids" not in columns:
-        prefix = _special_prefix(tokenizer)
+        prefix = special_prefix(tokenizer)
 
         def tokenize(row):
             if conversational:
@@ -107,7 +107,7 @@ def _apply_prompt_length(dataset: Dataset, max_length: int | None, policy: str) 
         row = overlong[0]
         raise DataValidationError(
             row, "prompt", f"at most max_prompt_length={max_length} tokens ({len(overlong)} of {len(lengths)} prompts "
-            "are longer; set prompt_overlong_policy='truncate' or 'drop' to go on)", _Raw(f"{lengths[row]} tokens"))
+            "are longer; set prompt_overlong_policy='truncate' or 'drop' to go on)", Verbatim(f"{lengths[row]} tokens"))
     if policy == "drop":
         logger.warning("%d of %d prompts longer than max_prompt_length=%d were dropped", len(overlong), len(lengths),
                        max_length)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import os
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,7 @@ from transformers import AutoModelForSequenceClassification, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..collators import PaddingCollator
-from ..configs import ModelConfig
+from ..configs import DataOptions, ModelConfig
 from ..data import prepare_sft_dataset
 from ..models import load_model, resolve_model
 from ..ppo.callbacks import EpochFromStepCallback, KLControllerCallback, RewardStatsCallback, find_callback
@@ -163,7 +162,7 @@ class PPOTrainer(BaseTrainer):
             raise ValueError("ptx_coef > 0 needs a ptx_dataset, and a ptx_dataset needs ptx_coef > 0.")
         if ptx_dataset is None:
             return None
-        options = SimpleNamespace(max_length=None, overlong_policy="truncate", dataset_num_proc=args.dataset_num_proc)
+        options = DataOptions(max_length=None, overlong_policy="truncate", dataset_num_proc=args.dataset_num_proc)
         return prepare_sft_dataset(ptx_dataset, tokenizer, options)
 
     def _prepare_frozen(self, model):

@@ -2,7 +2,7 @@
 
 What it adds to `Trainer`: model setup (a path loaded as `AutoModelForSequenceClassification(num_labels=1)`,
 a ready sequence-classification model or `ValueHeadModel`, LoRA / QLoRA through peft with the head trained
-and saved with the adapter), preference-pair validation and tokenization (`hf_rlhf.preference_data`), the
+and saved with the adapter), preference-pair validation and tokenization (`hf_rlhf.data.preference`), the
 `PairwiseCollator` (padded, padding-free or prefix-shared), and:
 
 - `compute_loss`: one forward over chosen‖rejected (2B sequences), each reward read at its sequence's last
@@ -22,10 +22,9 @@ from transformers import AutoModelForSequenceClassification
 
 from ..collators import PairwiseCollator
 from ..configs import ModelConfig, RewardConfig
-from ..data import ensure_pad_token
+from ..data import ensure_pad_token, main_process_first_if_cached, prepare_preference_dataset
 from ..losses import PAIRWISE_METRICS, pairwise_metric_sums, pairwise_metrics_from_sums, pairwise_reward_loss
 from ..models import resolve_model
-from ..preference_data import prepare_preference_dataset
 from ..reward_models import (
     ValueHeadModel,
     disable_dropout,
@@ -65,7 +64,7 @@ class RewardTrainer(BaseTrainer):
         model: a hub id or local path (loaded as a sequence-classification model with one label, through
             `model_config`), a sequence-classification `PreTrainedModel`, a `ValueHeadModel`, or a `PeftModel`.
         args: a `RewardConfig`.
-        train_dataset / eval_dataset: preference rows in any supported format (see `hf_rlhf.preference_data`),
+        train_dataset / eval_dataset: preference rows in any supported format (see `hf_rlhf.data.preference`),
             or tokenized rows (`chosen_ids`, `rejected_ids`); eval: also a dict of them.
         processing_class: the tokenizer. Default: loaded from the model's path.
         peft_config: a `peft.LoraConfig`; default: built from `model_config` when `use_peft` is set.
@@ -135,7 +134,8 @@ class RewardTrainer(BaseTrainer):
     def _prepare(dataset, tokenizer, args, name):
         if dataset is None:
             return None
-        prepared, stats = prepare_preference_dataset(dataset, tokenizer, args, return_stats=True)
+        with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
+            prepared, stats = prepare_preference_dataset(dataset, tokenizer, args, return_stats=True)
         logger.info("%s dataset: %d pairs (%d over max_length truncated, %d dropped)", name, len(prepared),
                     stats["n_truncated"], stats["n_dropped"])
         return prepared

@@ -16,7 +16,7 @@ import torch
 
 from ..collators import PackingCollator, PaddingCollator
 from ..configs import ModelConfig, SFTConfig
-from ..data import ensure_pad_token, prepare_sft_dataset, resolve_chat_template
+from ..data import ensure_pad_token, main_process_first_if_cached, prepare_sft_dataset, resolve_chat_template
 from ..models import resolve_model
 from .base import BaseTrainer
 
@@ -105,7 +105,8 @@ class SFTTrainer(BaseTrainer):
         if "input_ids" in dataset.column_names:
             prepared = dataset
         else:
-            prepared = prepare_sft_dataset(dataset, tokenizer, args)
+            with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
+                prepared = prepare_sft_dataset(dataset, tokenizer, args)
             logger.info("%s dataset: %d rows tokenized", name, len(prepared))
         if args.packing:
             from trl.data_utils import pack_dataset

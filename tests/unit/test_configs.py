@@ -1,5 +1,6 @@
 """Configs: device defaults, validation, unknown options, and every recipe YAML loads."""
 
+import dataclasses
 import glob
 import importlib.util
 import os
@@ -99,3 +100,32 @@ def test_toy_yaml_supplies_defaults_unless_a_real_run_is_asked_for(tmp_path):
     model_config, args = parse_recipe_args(
         (ModelConfig, SFTConfig), ["--model_name_or_path", "some/model", "--output_dir", "x"], str(toy))
     assert args.learning_rate == 2e-5 and model_config.model_name_or_path == "some/model"
+
+
+def test_sft_config_is_the_data_options_prepare_sft_dataset_reads(tmp_path):
+    from transformers import HfArgumentParser
+
+    from hf_rlhf.configs import DataOptions, SFTDataOptions
+
+    (args,) = HfArgumentParser((SFTConfig,)).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--max_length", "64", "--overlong_policy", "drop", "--dataset_num_proc", "2"])
+    assert isinstance(args, SFTDataOptions) and isinstance(args, DataOptions)
+    assert (args.max_length, args.overlong_policy, args.dataset_num_proc) == (64, "drop", 2)
+    defaults = SFTConfig(output_dir=str(tmp_path))
+    assert (defaults.overlong_policy, defaults.max_length, defaults.dataset_text_field) == ("truncate", 1024, "text")
+    help_of = {f.name: f.metadata["help"] for f in dataclasses.fields(SFTConfig)}
+    assert help_of["max_length"] == "Longest tokenized example / packed row length."
+    assert help_of["eos_token"] == "End-of-turn token. None: the tokenizer's."
+
+
+def test_data_options_are_checked_when_built(tmp_path):
+    from hf_rlhf.configs import DataOptions
+
+    with pytest.raises(ValueError, match=r"SFTConfig.overlong_policy='cut'; expected one of"):
+        SFTConfig(output_dir=str(tmp_path), overlong_policy="cut")
+    with pytest.raises(ValueError, match="SFTConfig.max_length must be >= 2, got 1"):
+        SFTConfig(output_dir=str(tmp_path), max_length=1)
+    with pytest.raises(ValueError, match="DataOptions.max_length must be >= 2, got 0"):
+        DataOptions(max_length=0)
+    with pytest.raises(TypeError, match="packing"):
+        DataOptions(packing=True)  # SFT-only options are not data options

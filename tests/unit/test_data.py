@@ -6,19 +6,20 @@ import copy
 import logging
 import pickle
 import string
-from types import SimpleNamespace
 
 import pytest
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import PreTrainedTokenizerFast
 
+from hf_rlhf.configs import DataOptions, SFTConfig, SFTDataOptions
 from hf_rlhf.data import (
     DataValidationError,
     detect_format,
     ensure_pad_token,
     prepare_sft_dataset,
     resolve_chat_template,
+    sft_options,
     validate_sft_dataset,
 )
 
@@ -61,8 +62,8 @@ def tokenizer():
 def sft_args(**overrides):
     args = dict(dataset_text_field="text", max_length=None, overlong_policy="truncate", chat_template_path=None,
                 eos_token=None, pad_token=None, completion_only_loss=None, assistant_only_loss=False,
-                packing=False, dataset_num_proc=None)
-    return SimpleNamespace(**{**args, **overrides})
+                dataset_num_proc=None)
+    return SFTDataOptions(**{**args, **overrides})
 
 
 def masked_text(tokenizer, row, mask="completion_mask"):
@@ -325,8 +326,6 @@ def test_input_dataset_unchanged(tokenizer):
 
 
 def test_with_sft_config_and_two_processes(tokenizer, tmp_path):
-    from hf_rlhf.configs import SFTConfig
-
     args = SFTConfig(output_dir=str(tmp_path), max_length=8, dataset_num_proc=2, report_to=[])
     rows = [{"prompt": "p" * n, "completion": "c"} for n in range(1, 11)]
     out, stats = prepare_sft_dataset(rows, tokenizer, args, return_stats=True)
@@ -342,7 +341,7 @@ def test_with_sft_config_and_two_processes(tokenizer, tmp_path):
 def test_conversational_needs_chat_template():
     tok = build_tokenizer(chat_template=None)
     with pytest.raises(ValueError, match=r"dataset is conversational \('messages'\) but the tokenizer has no chat "
-                                         r"template; set SFTConfig.chat_template_path"):
+                                         r"template; set SFTDataOptions.chat_template_path"):
         prepare_sft_dataset([{"messages": conv("hi", "yo")}], tok, sft_args())
 
 
@@ -425,3 +424,69 @@ def test_no_max_length_keeps_everything(tokenizer):
 def test_truncate_text_keeps_start(tokenizer):
     out = prepare_sft_dataset([{"text": "abcdefgh"}], tokenizer, sft_args(max_length=4))
     assert tokenizer.decode(out[0]["input_ids"]) == "<s>abc"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Options: an SFTConfig, an SFTDataOptions or a plain DataOptions
+
+
+MIXED_ROWS = [{"prompt": "ab", "completion": "c"}, {"prompt": "abcd", "completion": "efg"},
+              {"prompt": "abcdefgh", "completion": "i"}]
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_plain_data_options_give_the_sft_config_tokens(tokenizer, tmp_path, policy):
+    shared = dict(max_length=6, overlong_policy=policy, eos_token="<|im_end|>", dataset_num_proc=None)
+    config = SFTConfig(output_dir=str(tmp_path), report_to=[], **shared)
+    from_config, config_stats = prepare_sft_dataset(MIXED_ROWS, tokenizer, config, return_stats=True)
+    plain, plain_stats = prepare_sft_dataset(MIXED_ROWS, tokenizer, DataOptions(**shared), return_stats=True)
+    assert plain.to_list() == from_config.to_list() and plain_stats == config_stats
+    assert config_stats["n_dropped"] >= 1  # the options reached the length policy: rows 1-2 are 9 and 11 tokens
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert all(row["input_ids"][-1] == eos for row in plain if len(row["input_ids"]) < 6)
+
+
+def test_plain_data_options_take_sft_defaults_for_sft_only_fields(tokenizer):
+    rows = [{"text": "hello"}]
+    assert sft_options(DataOptions(max_length=None)) == sft_args()
+    assert prepare_sft_dataset(rows, tokenizer, DataOptions()).to_list() == \
+        prepare_sft_dataset(rows, tokenizer, sft_args(max_length=1024)).to_list()
+
+
+def test_options_must_be_data_options(tokenizer):
+    from types import SimpleNamespace
+
+    with pytest.raises(TypeError, match="options must be a DataOptions .* got SimpleNamespace"):
+        prepare_sft_dataset([{"text": "hi"}], tokenizer, SimpleNamespace(max_length=None, overlong_policy="truncate"))
+
+
+def test_errors_name_the_options_class_passed(tokenizer):
+    tok = build_tokenizer(chat_template=None)
+    with pytest.raises(ValueError, match=r"set DataOptions.chat_template_path to"):
+        prepare_sft_dataset([{"messages": conv("hi", "yo")}], tok, DataOptions())
+    with pytest.raises(ValueError, match=r"SFTDataOptions.eos_token='<nope>' is not in the tokenizer's vocabulary"):
+        prepare_sft_dataset([{"text": "hi"}], tokenizer, sft_args(eos_token="<nope>"))
+
+
+def test_main_process_goes_first_only_for_cached_datasets(tmp_path):
+    from hf_rlhf.data import main_process_first_if_cached
+
+    class Args:  # records what the trainer's prepare step asks of TrainingArguments
+        def __init__(self):
+            self.calls = []
+
+        def main_process_first(self, desc):
+            self.calls.append(desc)
+            return SFTConfig.main_process_first(SFTConfig(output_dir=str(tmp_path), report_to=[]), desc=desc)
+
+    rows = [{"text": "hi"}, {"text": "yo"}]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    on_disk = Dataset.load_from_disk(str(tmp_path / "ds"))
+    args = Args()
+    for data in (rows, Dataset.from_list(rows)):  # in memory: no cache to share, so no rank waits
+        with main_process_first_if_cached(args, data, "train"):
+            pass
+    assert args.calls == []
+    with main_process_first_if_cached(args, on_disk, "train dataset tokenization"):
+        pass
+    assert args.calls == ["train dataset tokenization"]

@@ -1,15 +1,19 @@
-"""Preference-pair formats, validation, tokenization and the over-long policy (`hf_rlhf.preference_data`)."""
+"""Preference-pair formats, validation, tokenization and the over-long policy (`hf_rlhf.data.preference`)."""
 
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 from datasets import Dataset
 
-from hf_rlhf.data import DataValidationError
-from hf_rlhf.preference_data import detect_preference_format, prepare_preference_dataset, validate_preference_dataset
+from hf_rlhf.configs import DataOptions, PreferenceDataOptions, RewardConfig
+from hf_rlhf.data import (
+    DataValidationError,
+    detect_preference_format,
+    prepare_preference_dataset,
+    validate_preference_dataset,
+)
 from hf_rlhf.toy import build_toy_tokenizer
 
 
@@ -22,7 +26,7 @@ def args(**kw):
     defaults = dict(max_length=64, overlong_policy="drop", use_margin=None, eos_token=None, chat_template_path=None,
                     dataset_num_proc=None)
     defaults.update(kw)
-    return SimpleNamespace(**defaults)
+    return PreferenceDataOptions(**defaults)
 
 
 def user(text):
@@ -164,3 +168,30 @@ def test_input_dataset_is_not_modified(tok):
     data = Dataset.from_list(EXPLICIT)
     prepare_preference_dataset(data, tok, args())
     assert data.column_names == ["prompt", "chosen", "rejected"] and data[0] == EXPLICIT[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Options: a RewardConfig, a PreferenceDataOptions or a plain DataOptions
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_plain_data_options_give_the_reward_config_tokens(tok, tmp_path, policy):
+    rows = [dict(row, margin=float(i)) for i, row in enumerate(LONG)]
+    shared = dict(max_length=12, overlong_policy=policy, dataset_num_proc=None)
+    config = RewardConfig(output_dir=str(tmp_path), report_to=[], **shared)
+    from_config, config_stats = prepare_preference_dataset(rows, tok, config, return_stats=True)
+    plain, plain_stats = prepare_preference_dataset(rows, tok, DataOptions(**shared), return_stats=True)
+    assert plain.to_list() == from_config.to_list() and plain_stats == config_stats
+    assert config_stats["n_dropped"] >= 1 and "margin" in plain.column_names  # use_margin=None: the column is used
+
+
+def test_reward_config_and_plain_options_keep_their_own_overlong_default(tok, tmp_path):
+    assert RewardConfig(output_dir=str(tmp_path), report_to=[]).overlong_policy == "drop"
+    assert PreferenceDataOptions().overlong_policy == "drop" and DataOptions().overlong_policy == "truncate"
+
+
+def test_options_must_be_data_options(tok):
+    from types import SimpleNamespace
+
+    with pytest.raises(TypeError, match="options must be a DataOptions .* got SimpleNamespace"):
+        prepare_preference_dataset(EXPLICIT, tok, SimpleNamespace(max_length=64, overlong_policy="drop"))

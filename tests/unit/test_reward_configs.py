@@ -88,3 +88,21 @@ def test_parsing_seeds_the_rngs_so_a_head_added_at_load_time_is_reproducible(tmp
     assert torch.equal(heads[0], heads[1])
     parse_recipe_args((ModelConfig, RewardConfig), [*argv[:-1], "4"], "unused")
     assert not torch.equal(torch.nn.Linear(16, 1).weight, heads[0])
+
+
+def test_reward_config_is_the_data_options_prepare_preference_dataset_reads(tmp_path):
+    import dataclasses
+
+    from transformers import HfArgumentParser
+
+    from hf_rlhf.configs import DataOptions, PreferenceDataOptions
+
+    (args,) = HfArgumentParser((RewardConfig,)).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--max_length", "64", "--use_margin", "true"])
+    assert isinstance(args, PreferenceDataOptions) and isinstance(args, DataOptions)
+    assert (args.max_length, args.overlong_policy, args.use_margin) == (64, "drop", True)
+    help_of = {f.name: f.metadata["help"] for f in dataclasses.fields(RewardConfig)}
+    assert help_of["max_length"] == "Longest tokenized chosen or rejected sequence."
+    assert help_of["eos_token"] == "End-of-sequence token. None: the tokenizer's."
+    with pytest.raises(ValueError, match=r"RewardConfig.overlong_policy='cut'; expected one of"):
+        RewardConfig(output_dir=str(tmp_path), overlong_policy="cut")

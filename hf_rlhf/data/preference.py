@@ -21,25 +21,26 @@ they differ, so the pair would teach nothing), in which case the pair is dropped
 
 from __future__ import annotations
 
-import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from numbers import Real
 
-from datasets import Dataset
-
-from .data import (
-    _ABSENT,
-    _Raw,
-    MISSING,
-    OVERLONG_POLICIES,
-    DataValidationError,
-    _check_chat_template,
-    _special_prefix,
-    _token_id,
-    _tokenize_prompt_completion,
+from ..configs import DataOptions, PreferenceDataOptions
+from .tokenization import (
     apply_length_policy,
+    check_chat_template,
+    check_overlong_policy,
+    eos_token_id,
+    resolve_chat_template,
+    special_prefix,
+    tokenize_prompt_completion,
+)
+from .validation import (
+    ABSENT,
+    MISSING,
+    DataValidationError,
+    Verbatim,
     as_dataset,
     check_messages,
     check_not_empty,
@@ -47,10 +48,7 @@ from .data import (
     column_names,
     is_conversational_column,
     iter_rows,
-    resolve_chat_template,
 )
-
-logger = logging.getLogger("hf_rlhf")
 
 PREFERENCE_FORMATS = ("implicit_prompt", "explicit_prompt", "conversational_implicit_prompt",
                       "conversational_explicit_prompt", "tokenized")
@@ -58,7 +56,14 @@ LENGTH_FIELD = "chosen/rejected"
 
 
 def detect_preference_format(dataset) -> str:
-    """One of `PREFERENCE_FORMATS`, from the columns (and whether `chosen` holds messages)."""
+    """The preference format of `dataset`, from its columns (and whether `chosen` holds messages).
+
+    Args:
+        dataset: a `Dataset` or a list of dict rows.
+
+    Returns:
+        One of `PREFERENCE_FORMATS`.
+    """
     check_not_empty(dataset)
     columns = column_names(dataset)
     if "chosen_ids" in columns and "rejected_ids" in columns:
@@ -67,25 +72,35 @@ def detect_preference_format(dataset) -> str:
         missing = [c for c in ("chosen", "rejected") if c not in columns]
         raise DataValidationError(
             None, missing[0], "preference data: 'chosen' and 'rejected' columns, optionally 'prompt' and 'margin' "
-            "(or tokenized 'chosen_ids' and 'rejected_ids')", _Raw(f"columns {columns}"))
+            "(or tokenized 'chosen_ids' and 'rejected_ids')", Verbatim(f"columns {columns}"))
     conversational = is_conversational_column(dataset, "chosen") or is_conversational_column(dataset, "rejected")
     kind = "explicit_prompt" if "prompt" in columns else "implicit_prompt"
     return f"conversational_{kind}" if conversational else kind
 
 
 def check_margin(row: int, field: str, value) -> None:
-    """A finite real number (bool and numeric strings are refused)."""
+    """Check that `value` is a finite real number (bool and numeric strings are refused).
+
+    Args:
+        row, field: where, for the error.
+        value: the value, or `ABSENT`.
+    """
     expected = "a finite number (int or float)"
-    if value is _ABSENT:
+    if value is ABSENT:
         raise DataValidationError(row, field, expected, MISSING)
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
         raise DataValidationError(row, field, expected, value)
 
 
 def check_token_ids(row: int, field: str, value) -> None:
-    """A non-empty list of ints."""
+    """Check that `value` is a non-empty list of ints.
+
+    Args:
+        row, field: where, for the error.
+        value: the value, or `ABSENT`.
+    """
     expected = "a non-empty list of token ids"
-    if value is _ABSENT:
+    if value is ABSENT:
         raise DataValidationError(row, field, expected, MISSING)
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(t, int) for t in value):
         raise DataValidationError(row, field, expected, value)
@@ -114,6 +129,11 @@ def validate_preference_dataset(dataset, fmt: str, use_margin: bool = False) -> 
 
     Besides each field's own check, a pair whose chosen equals its rejected is refused: its loss is a constant
     log 2 and it teaches nothing.
+
+    Args:
+        dataset: a `Dataset` or a list of dict rows.
+        fmt: one of `PREFERENCE_FORMATS` (`detect_preference_format`).
+        use_margin: also check a numeric `margin` on every row.
     """
     if fmt not in PREFERENCE_FORMATS:
         raise ValueError(f"unknown preference format {fmt!r}; expected one of {PREFERENCE_FORMATS}")
@@ -150,7 +170,7 @@ def _tokenize_side(spec: _PairTokenizeSpec, prompt, response) -> list[int]:
     if spec.fmt.startswith("conversational"):
         messages = list(prompt or []) + list(response)
         return list(tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
-    return _tokenize_prompt_completion(tok, prompt or "", response, spec.prefix, spec.eos_id)["input_ids"]
+    return tokenize_prompt_completion(tok, prompt or "", response, spec.prefix, spec.eos_id)["input_ids"]
 
 
 def _tokenize_pair(row: dict, index: int, spec: _PairTokenizeSpec) -> dict:
@@ -176,49 +196,66 @@ def _resolve_use_margin(use_margin: bool | None, columns: list[str]) -> bool:
     if use_margin is None:
         return "margin" in columns
     if use_margin and "margin" not in columns:
-        raise DataValidationError(None, "margin", "a 'margin' column (use_margin=True)", _Raw(f"columns {columns}"))
+        raise DataValidationError(None, "margin", "a 'margin' column (use_margin=True)", Verbatim(f"columns {columns}"))
     return bool(use_margin)
 
 
-def prepare_preference_dataset(dataset, tokenizer, args, return_stats: bool = False):
+def preference_options(options: DataOptions) -> PreferenceDataOptions:
+    """`options` as `PreferenceDataOptions`: itself if it is one (a `RewardConfig`), else with `use_margin=None`.
+
+    `use_margin=None` uses the dataset's margin column when there is one.
+
+    Args:
+        options: a `DataOptions` (a plain one, a `PreferenceDataOptions`, or a config that inherits them).
+
+    Returns:
+        The `PreferenceDataOptions` that `prepare_preference_dataset` reads.
+    """
+    if isinstance(options, PreferenceDataOptions):
+        return options
+    if not isinstance(options, DataOptions):
+        raise TypeError(f"options must be a DataOptions (a RewardConfig, PreferenceDataOptions(...) or "
+                        f"DataOptions(...)), got {type(options).__name__}")
+    return PreferenceDataOptions(**{f.name: getattr(options, f.name) for f in fields(DataOptions)})
+
+
+def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_stats: bool = False):
     """Detect, validate and tokenize preference pairs (a `Dataset` or a list of dicts; left unchanged).
 
     Args:
-        args: a `RewardConfig`, or any object with its data attributes (`max_length`, `overlong_policy`,
-            `use_margin`, `eos_token`, `chat_template_path`, `dataset_num_proc`).
+        dataset: rows in one of `PREFERENCE_FORMATS`.
+        tokenizer: the tokenizer; `options.chat_template_path` replaces its chat template for conversations.
+        options: a `RewardConfig`, a `PreferenceDataOptions`, or a plain `DataOptions` (its `overlong_policy` is
+            used as given; the margin column is used when there is one).
         return_stats: also return {"n_rows", "n_truncated", "n_dropped"}.
 
     Returns:
         A `Dataset` with `chosen_ids`, `rejected_ids` (lists of ints) and, with a margin, `margin` (float);
         or `(dataset, stats)`.
     """
-    policy = getattr(args, "overlong_policy", "drop")
-    max_length = getattr(args, "max_length", None)
-    if policy not in OVERLONG_POLICIES:
-        raise ValueError(f"overlong_policy={policy!r}; expected one of {OVERLONG_POLICIES}")
+    opts, owner = preference_options(options), type(options).__name__  # errors name the class the user passed
+    check_overlong_policy(opts.overlong_policy)
 
     # step 1. format and every row, before any tokenization
     fmt = detect_preference_format(dataset)
-    use_margin = _resolve_use_margin(getattr(args, "use_margin", None), column_names(dataset))
+    use_margin = _resolve_use_margin(opts.use_margin, column_names(dataset))
     validate_preference_dataset(dataset, fmt, use_margin)
 
     # step 2. tokenizer: chat template, or eos and leading special tokens for plain text
     eos_id = prefix = None
     if fmt.startswith("conversational"):
-        resolve_chat_template(tokenizer, getattr(args, "chat_template_path", None))
-        _check_chat_template(tokenizer, "conversational", False)
+        resolve_chat_template(tokenizer, opts.chat_template_path)
+        check_chat_template(tokenizer, "conversational", False, f"{owner}.chat_template_path")
     elif fmt != "tokenized":
-        eos_token = getattr(args, "eos_token", None) or tokenizer.eos_token
-        if eos_token is None:
-            raise ValueError("tokenizer has no eos token: set RewardConfig.eos_token")
-        eos_id = _token_id(tokenizer, eos_token, "eos_token")
-        prefix = _special_prefix(tokenizer)
+        eos_id = eos_token_id(tokenizer, opts.eos_token, f"{owner}.eos_token")
+        prefix = special_prefix(tokenizer)
 
     # step 3. tokenize (and truncate), then apply the overlong policy
-    spec = _PairTokenizeSpec(fmt, tokenizer, prefix, eos_id, max_length, policy == "truncate", use_margin)
+    spec = _PairTokenizeSpec(fmt, tokenizer, prefix, eos_id, opts.max_length, opts.overlong_policy == "truncate",
+                             use_margin)
     data = as_dataset(dataset)
     tokenized = data.map(
         _tokenize_pair, with_indices=True, fn_kwargs={"spec": spec}, remove_columns=data.column_names,
-        num_proc=getattr(args, "dataset_num_proc", None), desc="Tokenizing preference pairs")
-    tokenized, stats = apply_length_policy(tokenized, max_length, policy, LENGTH_FIELD)
+        num_proc=opts.dataset_num_proc, desc="Tokenizing preference pairs")
+    tokenized, stats = apply_length_policy(tokenized, opts.max_length, opts.overlong_policy, LENGTH_FIELD)
     return (tokenized, stats) if return_stats else tokenized

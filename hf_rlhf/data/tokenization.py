@@ -1,0 +1,291 @@
+"""Tokenizer set-up and tokenization shared by every dataset format.
+
+Set-up: the chat template (`resolve_chat_template`, `check_chat_template`), the pad token (`ensure_pad_token`),
+token ids from option strings (`token_id`) and the special tokens a tokenizer puts before any text
+(`special_prefix`). Tokenization: prompt + completion with a completion mask (`tokenize_prompt_completion`),
+and the over-long policy applied to a tokenized dataset (`apply_length_policy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from pathlib import Path
+
+from datasets import Dataset
+
+from .validation import DataValidationError, Verbatim
+
+logger = logging.getLogger("hf_rlhf")
+
+OVERLONG_POLICIES = ("truncate", "drop", "error")
+LENGTH_COLUMNS = ("_length", "_trainable")  # written per row by a format's tokenizer, read by apply_length_policy
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer set-up
+
+
+def _template_from_dir(path: Path) -> str | None:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        if (path / name).is_file():
+            template = json.loads((path / name).read_text()).get("chat_template")
+            if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+                named = {t["name"]: t["template"] for t in template}
+                template = named.get("default", next(iter(named.values()), None))
+            if template:
+                return template
+    return None
+
+
+def resolve_chat_template(tokenizer, chat_template_path: str | None) -> None:
+    """Set `tokenizer.chat_template` from a Jinja file or a local tokenizer directory.
+
+    Args:
+        tokenizer: the tokenizer, changed in place.
+        chat_template_path: a Jinja file, or a directory with `chat_template.jinja` or a `chat_template` in
+            `tokenizer_config.json` / `chat_template.json`; None keeps the tokenizer's template.
+
+    Raises:
+        FileNotFoundError: the path is neither, or the directory holds no template.
+    """
+    if chat_template_path is None:
+        return
+    path = Path(chat_template_path)
+    if path.is_file():
+        template = path.read_text()
+    elif path.is_dir():
+        template = _template_from_dir(path)
+        if template is None:
+            raise FileNotFoundError(
+                f"chat_template_path={chat_template_path!r}: the directory has no chat_template.jinja and no "
+                "'chat_template' in tokenizer_config.json")
+    else:
+        raise FileNotFoundError(
+            f"chat_template_path={chat_template_path!r} is neither a Jinja file nor a tokenizer directory")
+    tokenizer.chat_template = template
+
+
+def token_id(tokenizer, token: str, option: str) -> int:
+    """The id of `token`, which must be in the vocabulary (an unknown token is an error, not `unk`).
+
+    Args:
+        tokenizer: the tokenizer.
+        token: the token string (e.g. "<|im_end|>").
+        option: the option that named it, for the error (e.g. "SFTConfig.eos_token").
+
+    Returns:
+        The token id.
+    """
+    found = tokenizer.convert_tokens_to_ids(token)
+    if found is None or (found == tokenizer.unk_token_id and token != tokenizer.unk_token):
+        raise ValueError(f"{option}={token!r} is not in the tokenizer's vocabulary")
+    return found
+
+
+def ensure_pad_token(tokenizer, pad_token: str | None) -> None:
+    """Set `tokenizer.pad_token` from the `pad_token` option; require one if the tokenizer has none.
+
+    The eos token is never used as a silent fallback: a collator that masks labels by pad id would then
+    also mask every real eos, and the model would never learn to stop.
+
+    Args:
+        tokenizer: the tokenizer, changed in place.
+        pad_token: a token of its vocabulary, or None to keep the tokenizer's pad token.
+    """
+    if pad_token is not None:
+        token_id(tokenizer, pad_token, "pad_token")
+        tokenizer.pad_token = pad_token
+        return
+    if tokenizer.pad_token is None:
+        raise ValueError(
+            "tokenizer has no pad token: set SFTConfig.pad_token to a token of its vocabulary that is not the "
+            "eos token (e.g. an unused reserved token), or add one with "
+            "tokenizer.add_special_tokens({'pad_token': '<pad>'}) and model.resize_token_embeddings(len(tokenizer)). "
+            "The eos token is not used silently: eos positions would be masked out of the labels.")
+
+
+def eos_token_id(tokenizer, eos_token: str | None, option: str) -> int:
+    """The id of the eos token appended to plain text: `eos_token` if given, else the tokenizer's.
+
+    Args:
+        tokenizer: the tokenizer.
+        eos_token: the option's value, or None.
+        option: the option's name, for the error (e.g. "RewardConfig.eos_token").
+
+    Returns:
+        The token id.
+    """
+    eos_token = eos_token or tokenizer.eos_token
+    if eos_token is None:
+        raise ValueError(f"tokenizer has no eos token: set {option}")
+    return token_id(tokenizer, eos_token, option)
+
+
+def special_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before any text by default.
+
+    Args:
+        tokenizer: the tokenizer.
+
+    Returns:
+        Usually `[bos_id]` or `[]`.
+    """
+    with_special = tokenizer("a")["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start:start + len(plain)] == plain:
+            return with_special[:start]
+    return []
+
+
+def _chat_template(tokenizer) -> str | None:
+    try:
+        return tokenizer.get_chat_template()
+    except ValueError:  # no template set
+        return None
+
+
+def check_chat_template(tokenizer, fmt: str, assistant_only_loss: bool,
+                        option: str = "chat_template_path") -> None:
+    """Raise a ValueError that says how to fix it if conversational data cannot be tokenized.
+
+    Args:
+        tokenizer: the tokenizer.
+        fmt: the dataset's format, for the error ("conversational" names the `messages` column).
+        assistant_only_loss: the template must also mark assistant content with `{% generation %}`.
+        option: the option that sets a template, for the error (e.g. "SFTConfig.chat_template_path").
+    """
+    template = _chat_template(tokenizer)
+    if template is None:
+        column = "messages" if fmt == "conversational" else "prompt/completion messages"
+        raise ValueError(f"dataset is conversational ({column!r}) but the tokenizer has no chat template; "
+                         f"set {option} to a Jinja file or a tokenizer directory")
+    if assistant_only_loss and not _GENERATION_TAG.search(template):
+        raise ValueError(
+            "assistant_only_loss=True needs a chat template that wraps assistant content in "
+            "{% generation %} ... {% endgeneration %}, and the tokenizer's template has no such markers "
+            f"(every assistant mask would be all zeros). Add them and pass the template with {option}, "
+            "or set assistant_only_loss=False.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenization
+
+
+def main_process_first_if_cached(args, dataset, desc: str):
+    """`args.main_process_first(desc=desc)` for a dataset backed by cache files, else a context that does nothing.
+
+    With cache files (`load_dataset`, `load_from_disk`) the local main process tokenizes first and writes the
+    `Dataset.map` cache, which the other ranks then load instead of tokenizing again. In-memory data (a list of
+    dicts, `Dataset.from_list`) writes no cache, so waiting would only serialize the ranks. A single process never
+    waits either way.
+
+    Args:
+        args: the trainer's `TrainingArguments`.
+        dataset: the raw dataset about to be prepared.
+        desc: what is prepared, for transformers' debug log.
+
+    Returns:
+        A context manager.
+    """
+    if isinstance(dataset, Dataset) and dataset.cache_files:
+        return args.main_process_first(desc=desc)
+    return contextlib.nullcontext()
+
+
+def with_eos(ids: list[int], eos_id: int) -> list[int]:
+    """`ids` ending in `eos_id`: appended unless it is already the last id.
+
+    Args:
+        ids: token ids.
+        eos_id: the eos id.
+
+    Returns:
+        A list (a new one when eos was appended).
+    """
+    return ids if ids and ids[-1] == eos_id else ids + [eos_id]
+
+
+def tokenize_prompt_completion(tokenizer, prompt: str, completion: str, prefix: list[int], eos_id: int) -> dict:
+    """Tokenize `prefix + prompt + completion + eos`, marking the completion's tokens.
+
+    The prompt and completion are tokenized jointly when the prompt's ids are a prefix of the joint ids;
+    otherwise (a merge across the boundary, e.g. "a" + "b" -> "ab") apart and concatenated, which is also
+    what the model sees when it generates after the prompt.
+
+    Args:
+        tokenizer: the tokenizer.
+        prompt, completion: the texts.
+        prefix: leading special ids (`special_prefix(tokenizer)`).
+        eos_id: appended unless the completion already ends with it.
+
+    Returns:
+        {"input_ids": (T,), "completion_mask": (T,)} as lists; the mask is 1 on completion tokens and eos.
+    """
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    full_ids = tokenizer(prompt + completion, add_special_tokens=False)["input_ids"]
+    if full_ids[: len(prompt_ids)] != prompt_ids:
+        full_ids = prompt_ids + tokenizer(completion, add_special_tokens=False)["input_ids"]
+    input_ids = with_eos(prefix + full_ids, eos_id)
+    n_prompt = len(prefix) + len(prompt_ids)
+    return {"input_ids": input_ids, "completion_mask": [0] * n_prompt + [1] * (len(input_ids) - n_prompt)}
+
+
+def check_overlong_policy(policy: str) -> None:
+    """Raise a ValueError unless `policy` is one of `OVERLONG_POLICIES`.
+
+    Args:
+        policy: the `overlong_policy` option.
+    """
+    if policy not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong_policy={policy!r}; expected one of {OVERLONG_POLICIES}")
+
+
+def apply_length_policy(dataset: Dataset, max_length: int | None, policy: str, field: str) -> tuple[Dataset, dict]:
+    """Apply `overlong_policy` using the `_length` / `_trainable` columns the tokenizer wrote, then drop them.
+
+    Rows longer than `max_length`: `error` raises on the first; `drop` removes them; `truncate` keeps
+    them (already cut) unless no trainable token is left, in which case they are dropped too.
+
+    Args:
+        dataset: tokenized rows with `_length` (untruncated length) and `_trainable` (a loss token is left).
+        max_length: the longest row allowed; None: no limit.
+        policy: one of `OVERLONG_POLICIES`.
+        field: the field named in an `error` (e.g. "prompt+completion").
+
+    Returns:
+        (dataset, {"n_rows": rows in, "n_truncated": kept truncated, "n_dropped": removed}).
+    """
+    n_rows = len(dataset)
+    stats = {"n_rows": n_rows, "n_truncated": 0, "n_dropped": 0}
+    overlong = [] if max_length is None else [i for i, n in enumerate(dataset["_length"]) if n > max_length]
+    if overlong and policy == "error":
+        i = overlong[0]
+        raise DataValidationError(
+            i, field, f"at most max_length={max_length} tokens (overlong_policy='error'; use 'truncate' or 'drop' "
+            f"to keep going; {len(overlong)} of {n_rows} rows are longer)", Verbatim(f"{dataset[i]['_length']} tokens"))
+    drop = set(overlong)
+    if policy == "truncate" and overlong:
+        trainable = dataset["_trainable"]
+        drop = {i for i in overlong if not trainable[i]}
+        stats["n_truncated"] = len(overlong) - len(drop)
+        logger.warning("%d of %d examples longer than max_length=%d were truncated",
+                       stats["n_truncated"], n_rows, max_length)
+        if drop:
+            logger.warning("%d of %d examples longer than max_length=%d were dropped: truncation left no "
+                           "completion token to train on", len(drop), n_rows, max_length)
+    elif drop:
+        logger.warning("%d of %d examples longer than max_length=%d were dropped", len(drop), n_rows, max_length)
+    stats["n_dropped"] = len(drop)
+    if drop:
+        if len(drop) == n_rows:
+            raise ValueError(f"all {n_rows} examples were dropped as longer than max_length={max_length}; "
+                             "raise max_length or use overlong_policy='truncate'")
+        dataset = dataset.select([i for i in range(n_rows) if i not in drop])
+    return dataset.remove_columns(list(LENGTH_COLUMNS)), stats
