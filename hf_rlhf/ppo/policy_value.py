@@ -6,7 +6,7 @@ The value function is either
   (b) a separate value model: a sequence-classification model with one label (its `score` head read at every
       token), or a `hf_rlhf.reward_models.ValueHeadModel`, e.g. initialised from the reward model, or
   (c) a value adapter: a second LoRA adapter ("value") of the policy's `PeftModel` with a value head on its last
-      hidden state: one frozen base for both (see `hf_rlhf.ppo.shared_base`); two forwards, one per adapter.
+      hidden state: one frozen base for both (see `hf_rlhf.ppo.value_adapter`); two forwards, one per adapter.
 
 One `nn.Module` means one optimizer (the value parameters may get their own learning rate) and one thing for
 DDP / DeepSpeed / FSDP to wrap. A plain wrapper around a model with tied embeddings fails the Trainer's safetensors
@@ -24,11 +24,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import is_peft_model
 from torch import nn
 from transformers.utils import ModelOutput
 
+from ..adapters import adapter_parameter_names, adapter_scope
 from ..reward_models import ValueHeadModel, backbone_of, find_score_head, token_scores, unwrap_peft
-from .shared_base import adapter_parameter_names, adapter_scope
 
 VALUE_DIR = "value"
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -43,10 +44,6 @@ class PolicyValueOutput(ModelOutput):
 
     logits: torch.Tensor | None = None
     token_values: torch.Tensor | None = None
-
-
-def _is_peft(model: nn.Module) -> bool:
-    return unwrap_peft(model) is not model
 
 
 class PolicyAndValue(nn.Module):
@@ -208,7 +205,7 @@ def save_policy_and_value(module: PolicyAndValue, output_dir: str, state_dict: d
     value_dir = os.path.join(output_dir, VALUE_DIR)
     policy_state = _split_state_dict(state_dict, "policy.")
     # a PeftModel saves every adapter by default; the policy is its active one (never the frozen reward adapter)
-    only = {"selected_adapters": [module.policy.active_adapter]} if _is_peft(module.policy) else {}
+    only = {"selected_adapters": [module.policy.active_adapter]} if is_peft_model(module.policy) else {}
     module.policy.save_pretrained(output_dir, state_dict=policy_state, is_main_process=is_main_process, **only)
     if module.value_adapter is not None:  # peft writes an adapter not named "default" to <dir>/<its name>: value/
         module.policy.save_pretrained(output_dir, state_dict=policy_state, is_main_process=is_main_process,
@@ -255,7 +252,7 @@ def load_weights(model: nn.Module, directory: str, adapter_name: str | None = No
     """
     from safetensors.torch import load_file
 
-    if _is_peft(model):
+    if is_peft_model(model):
         from peft import set_peft_model_state_dict
 
         path = os.path.join(directory, "adapter_model.safetensors")
