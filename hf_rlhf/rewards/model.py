@@ -2,13 +2,13 @@
 
 A path (or hub id) is inspected BEFORE anything is loaded, and loaded as the kind its files say it is:
 
-    files in the directory                                         kind                          loaded as
-    config.json, architectures *ForSequenceClassification          "sequence_classification"     AutoModelForSequence-
-        (or no architectures and one label)                                                        Classification
-    value_head.safetensors + config.json or adapter_config.json    "value_head"                  ValueHeadModel.from_pretrained
-    adapter_config.json + a `score` head in adapter_model.safetensors  "sequence_classification_adapter"  PeftModel of a
-                                                                                                   sequence-classification
-                                                                                                   model on its own base
+    SEQUENCE_CLASSIFICATION          config.json whose architectures end in ForSequenceClassification (or that has
+                                     no architectures and one label)
+                                     -> AutoModelForSequenceClassification(num_labels=1)
+    VALUE_HEAD                       value_head.safetensors next to config.json (full model) or adapter_config.json
+                                     (LoRA) -> ValueHeadModel.from_pretrained
+    SEQUENCE_CLASSIFICATION_ADAPTER  adapter_config.json + adapter_model.safetensors holding the `score` head (peft's
+                                     modules_to_save) -> PeftModel of AutoModelForSequenceClassification on its base
 
 Anything else is a ValueError that lists what was found. A LoRA reward adapter passed by path runs on its OWN copy
 of its base; to run it on the policy's base instead, pass `RewardAdapter(path)` (`hf_rlhf.rewards.adapter`).
