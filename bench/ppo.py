@@ -267,7 +267,7 @@ def build_hf_rlhf(name: str, model_dir: str, prompts: list[dict], group: dict, o
     if name.startswith("hf_rlhf_one_base"):  # reward and value on the policy's own base
         from transformers import AutoModelForCausalLM
 
-        from hf_rlhf.ppo.shared_base import RewardAdapter
+        from hf_rlhf.rewards import RewardAdapter
 
         policy = AutoModelForCausalLM.from_pretrained(f"{model_dir}/policy")
         reward = RewardAdapter(f"{model_dir}/reward_adapter")

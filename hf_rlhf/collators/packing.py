@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .padding import IGNORE_INDEX, _as_list, masked_labels
+from .padding import IGNORE_INDEX, as_list, masked_labels
 
 # The column `trl.pack_dataset(..., strategy="bfd" | "bfd_split")` adds: lengths of the examples in a packed row.
 SEQ_LENGTHS_KEY = "seq_lengths"
@@ -151,10 +151,10 @@ class PackingCollator:
 
 def _split_row(row: int, feature: dict[str, Any], labels: list[int]) -> tuple[list[int], list[int], list[int]]:
     """(input_ids, labels, sequence lengths) of one feature, checked; fresh lists the caller may extend."""
-    input_ids = _as_list(feature["input_ids"])
+    input_ids = as_list(feature["input_ids"])
     if len(input_ids) == 0:
         raise ValueError(f"row {row} has an empty 'input_ids'")
-    lengths = _as_list(feature.get(SEQ_LENGTHS_KEY, [len(input_ids)]))
+    lengths = as_list(feature.get(SEQ_LENGTHS_KEY, [len(input_ids)]))
     if sum(lengths) != len(input_ids):
         raise ValueError(f"row {row}: '{SEQ_LENGTHS_KEY}' sum to {sum(lengths)} but 'input_ids' has {len(input_ids)}")
     return input_ids, list(labels), list(lengths)

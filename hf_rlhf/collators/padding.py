@@ -16,8 +16,8 @@ IGNORE_INDEX = -100
 NO_PAD_TOKEN_MESSAGE = "tokenizer has no pad token; set tokenizer.pad_token or SFTConfig.pad_token"
 
 
-def _as_list(values: Any) -> list:
-    # Features may come from a dataset with torch/numpy format as well as from plain python lists.
+def as_list(values: Any) -> list:
+    """A feature's values as a Python list: features come as lists, or as torch / numpy arrays from a formatted dataset."""
     return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
@@ -65,12 +65,12 @@ def masked_labels(
         mask_keys.append("assistant_masks")
     all_labels = []
     for row, feature in enumerate(features):
-        input_ids = _as_list(feature["input_ids"])
-        labels = _as_list(feature["labels"]) if "labels" in feature else list(input_ids)
+        input_ids = as_list(feature["input_ids"])
+        labels = as_list(feature["labels"]) if "labels" in feature else list(input_ids)
         for key in mask_keys:
             if key not in feature:
                 raise ValueError(_missing_mask_message(key, row))
-            mask = _as_list(feature[key])
+            mask = as_list(feature[key])
             if len(mask) != len(input_ids):
                 raise ValueError(f"row {row}: '{key}' has length {len(mask)} but 'input_ids' has {len(input_ids)}")
             labels = [label if keep else IGNORE_INDEX for label, keep in zip(labels, mask)]
@@ -174,7 +174,7 @@ class PaddingCollator:
         if any("seq_lengths" in feature for feature in features):
             # Padding keeps a causal mask over the whole row, so a pre-packed row would attend across examples.
             raise ValueError("features carry 'seq_lengths' (pre-packed rows): collate them with PackingCollator")
-        input_ids = [_as_list(feature["input_ids"]) for feature in features]
+        input_ids = [as_list(feature["input_ids"]) for feature in features]
         labels = masked_labels(features, self.completion_only_loss, self.assistant_only_loss)
         pad = dict(padding_side=self.padding_side, pad_to_multiple_of=self.pad_to_multiple_of)
         return {
@@ -227,7 +227,7 @@ class LeftPaddingCollator:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch: dict[str, Any] = {}
         for key in self.keys:
-            sequences = [_as_list(feature[key]) for feature in features]
+            sequences = [as_list(feature[key]) for feature in features]
             for row, seq in enumerate(sequences):
                 if len(seq) == 0:
                     # An all-padding row has no last token to generate from or to score.

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .packing import PackingCollator
-from .padding import _as_list, check_pad_token_id, pad_sequences
+from .padding import as_list, check_pad_token_id, pad_sequences
 
 PAIR_KEYS = ("chosen_ids", "rejected_ids")
 
@@ -157,7 +157,7 @@ class PairwiseCollator:
             for key in PAIR_KEYS:
                 if key not in feature:
                     raise ValueError(f"row {row} has no {key!r}: tokenize the pairs first (prepare_preference_dataset)")
-                ids = _as_list(feature[key])
+                ids = as_list(feature[key])
                 if len(ids) == 0:
                     raise ValueError(f"row {row} has an empty {key!r}: there is no last token to read a reward at")
                 sides[key].append(ids)

@@ -51,10 +51,6 @@ from .validation import (
     validate_rows,
 )
 
-# Old private names, kept only for hf_rlhf/ppo/rewards.py until it imports the public ones (switched at merge).
-_special_prefix = special_prefix
-_tokenize_prompt_completion = tokenize_prompt_completion
-
 __all__ = [
     "ABSENT",
     "CONVERSATIONAL_FORMATS",

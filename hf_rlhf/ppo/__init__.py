@@ -1,16 +1,33 @@
-"""PPO math as pure tensor functions: KL penalty and controllers, rewards and GAE, clipped losses.
+"""PPO: its math as pure tensor functions, and the pieces `PPOTrainer` runs in the Trainer's loop.
 
-Importable with torch alone; the tensor helpers they share live in `hf_rlhf.tensors`.
+Math (importable with torch alone; the tensor helpers they share live in `hf_rlhf.tensors`):
+    kl.py               KL penalty estimators, `FixedKLController`, `AdaptiveKLController`
+    advantages.py       per-token rewards with the KL penalty, GAE
+    losses.py           clipped policy and value losses
+    running_moments.py  `RunningMoments`: running reward statistics for `reward_normalization="running"`
+
+Loop pieces (import transformers / trl / datasets / peft):
+    config.py           `PPOConfig`
+    experience.py       `Experience`: what a rollout hands to `compute_loss`
+    loader.py           `ExperienceLoader`: the Trainer's train dataloader (rollouts), prompt dataset preparation
+    rollout.py          `RolloutMaker`: generate, score, reference, rewards, advantages
+    policy_value.py     `PolicyAndValue`: policy + value function as the one trained module; saving and loading
+    value_adapter.py    `ValueAdapter`: the value function as a LoRA adapter on the policy's base
+    callbacks.py        KL controller and reward statistics as checkpointed callbacks; the logged-epoch fix
+
+The reward sources PPO scores with are `hf_rlhf.rewards`.
 """
 
 from .advantages import gae, per_token_rewards
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from .losses import policy_loss, value_loss
+from .running_moments import RunningMoments
 
 __all__ = [
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
+    "RunningMoments",
     "gae",
     "kl_penalty",
     "per_token_rewards",
@@ -18,7 +35,7 @@ __all__ = [
     "value_loss",
 ]
 
-# The trainer-side pieces import transformers / trl / datasets, so they load on first use: `import hf_rlhf.ppo.kl`
+# The loop pieces import transformers / trl / datasets / peft, so they load on first use: `import hf_rlhf.ppo.kl`
 # (or the math above) must stay torch-only.
 _LAZY = {
     "PPOConfig": "config",
@@ -27,15 +44,7 @@ _LAZY = {
     "RolloutMaker": "rollout",
     "ExperienceLoader": "loader",
     "prepare_prompt_dataset": "loader",
-    "build_reward_source": "rewards",
-    "FunctionReward": "rewards",
-    "ModelReward": "rewards",
-    "RewardError": "rewards",
-    "RunningMoments": "rewards",
-    "HTTPReward": "http_reward",
-    "RewardServer": "reward_server",
-    "RewardAdapter": "shared_base",
-    "ValueAdapter": "shared_base",
+    "ValueAdapter": "value_adapter",
     "KLControllerCallback": "callbacks",
     "RewardStatsCallback": "callbacks",
     "EpochFromStepCallback": "callbacks",

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .kl import AdaptiveKLController, FixedKLController
-from .rewards import RunningMoments
+from .running_moments import RunningMoments
 
 
 def find_callback(callback_handler, callback_type):

@@ -6,7 +6,7 @@ The value function is either
   (b) a separate value model: a sequence-classification model with one label (its `score` head read at every
       token), or a `hf_rlhf.reward_models.ValueHeadModel`, e.g. initialised from the reward model, or
   (c) a value adapter: a second LoRA adapter ("value") of the policy's `PeftModel` with a value head on its last
-      hidden state: one frozen base for both (see `hf_rlhf.ppo.shared_base`); two forwards, one per adapter.
+      hidden state: one frozen base for both (see `hf_rlhf.ppo.value_adapter`); two forwards, one per adapter.
 
 One `nn.Module` means one optimizer (the value parameters may get their own learning rate) and one thing for
 DDP / DeepSpeed / FSDP to wrap. A plain wrapper around a model with tied embeddings fails the Trainer's safetensors
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from accelerate.utils import is_peft_model
+from torch import nn
 from transformers.utils import ModelOutput
 
+from ..adapters import adapter_parameter_names, adapter_scope
 from ..models import load_weights
-
 from ..reward_models import (
     VALUE_HEAD_FILE,
     ValueHeadModel,
@@ -38,7 +38,6 @@ from ..reward_models import (
     token_scores,
     unwrap_peft,
 )
-from .shared_base import adapter_parameter_names, adapter_scope
 
 VALUE_DIR = "value"
 

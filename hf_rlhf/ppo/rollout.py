@@ -12,15 +12,15 @@ import torch
 import torch.nn.functional as F
 from trl.models.utils import unwrap_model_for_generation
 
+from ..adapters import adapter_scope
 from ..collators import LeftPaddingCollator
 from ..reward_models import unwrap_peft
+from ..rewards.base import RewardError
 from ..tensors import first_true_indices, logprobs_from_logits, masked_sum, masked_whiten
 from .advantages import gae, per_token_rewards
 from .experience import Experience
 from .kl import kl_penalty
 from .policy_value import response_logits
-from .rewards import RewardError
-from .shared_base import adapter_scope
 
 logger = logging.getLogger("hf_rlhf")
 
@@ -41,7 +41,7 @@ class RolloutMaker:
     Args:
         args: a `PPOConfig`.
         tokenizer: the policy's tokenizer.
-        reward_source: `(prompts, completions, **row_fields) -> (B,)` (see `hf_rlhf.ppo.rewards`).
+        reward_source: `(prompts, completions, **row_fields) -> (B,)` (see `hf_rlhf.rewards`).
         accelerator: the Trainer's accelerator (device, gathers across ranks).
         ref_model: a frozen reference model; None when the policy is a `PeftModel` (reference = adapters off).
         reward_stats: {"reward_mean", "reward_std"} for `reward_normalization="model_stats"`.

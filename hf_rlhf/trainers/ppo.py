@@ -39,10 +39,11 @@ from ..ppo.experience import Experience
 from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator
 from ..ppo.losses import policy_loss, value_loss
 from ..ppo.policy_value import PolicyAndValue, response_logits
-from ..ppo.rewards import ModelReward, build_reward_source
 from ..ppo.rollout import RolloutMaker
-from ..ppo.shared_base import add_value_adapter, resolve_value_adapter
+from ..ppo.value_adapter import add_value_adapter, resolve_value_adapter
 from ..reward_models import disable_dropout, unwrap_peft
+from ..rewards.factory import build_reward_source
+from ..rewards.model import ModelReward
 from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
 from .base import BaseTrainer
 
@@ -69,7 +70,7 @@ class PPOTrainer(BaseTrainer):
         model: the policy: a hub id or local path (loaded with `model_config`, 4-bit too), a causal LM or a `PeftModel`.
         reward_model: a Python function `(prompts, completions, **row_fields) -> list[float]`; a reward model
             (sequence classification with one label, or a `ValueHeadModel`) or its path; an endpoint,
-            `"http://host:port/path"` or `HTTPReward(url, timeout=...)` (protocol: `hf_rlhf.ppo.http_reward`);
+            `"http://host:port/path"` or `HTTPReward(url, timeout=...)` (protocol: `hf_rlhf.rewards.http_client`);
             or `RewardAdapter(path)` / `"adapter:<path>"`: a LoRA reward adapter from `RewardTrainer`, run on the
             LoRA policy's own frozen base.
         args: a `PPOConfig`.
@@ -84,7 +85,8 @@ class PPOTrainer(BaseTrainer):
         ptx_dataset: language-modelling data (any SFT format) for `PPOConfig.ptx_coef`.
         callbacks: more `TrainerCallback`s.
 
-    One frozen base for all four roles (`hf_rlhf.ppo.shared_base`; reference = adapters off)::
+    One frozen base for all four roles (`hf_rlhf.rewards.adapter`, `hf_rlhf.ppo.value_adapter`;
+    reference = adapters off)::
 
         PPOTrainer(model="sft-dir", reward_model=RewardAdapter("rm-lora-dir"), value_model="adapter", args=...,
                    train_dataset=..., model_config=ModelConfig(use_peft=True, load_in_4bit=True))

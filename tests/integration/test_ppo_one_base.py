@@ -1,5 +1,5 @@
 """PPO with the four roles on one frozen base: policy adapter, value adapter + head, reward adapter + score head,
-reference = adapters off (`hf_rlhf.ppo.shared_base`), in full precision and 4-bit."""
+reference = adapters off (`hf_rlhf.rewards.adapter`, `hf_rlhf.ppo.value_adapter`), in full precision and 4-bit."""
 
 import os
 import shutil
@@ -11,8 +11,10 @@ from transformers import AutoModelForSequenceClassification
 
 from hf_rlhf import ModelConfig, RewardConfig, RewardTrainer
 from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.ppo.rewards import ModelReward
-from hf_rlhf.ppo.shared_base import REWARD_ADAPTER, VALUE_ADAPTER, AdapterReward, RewardAdapter, adapter_scope
+from hf_rlhf.adapters import adapter_scope
+from hf_rlhf.ppo.value_adapter import VALUE_ADAPTER
+from hf_rlhf.rewards.adapter import REWARD_ADAPTER, AdapterReward, RewardAdapter
+from hf_rlhf.rewards.model import ModelReward
 from hf_rlhf.reward_models import ValueHeadModel, backbone_of
 from hf_rlhf.toy import build_toy_model, preference_dataset, prompt_dataset
 from hf_rlhf.trainers.ppo import PPOTrainer

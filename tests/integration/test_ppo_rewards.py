@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.ppo.reward_server import RewardServer
-from hf_rlhf.ppo.http_reward import HTTPReward
-from hf_rlhf.ppo.rewards import RewardError
+from hf_rlhf.rewards.base import RewardError
+from hf_rlhf.rewards.http_client import HTTPReward
+from hf_rlhf.rewards.server import RewardServer
 from hf_rlhf.toy import build_toy_model
 from hf_rlhf.trainers.ppo import PPOTrainer
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerC
 
 from hf_rlhf.data import DataValidationError
 from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.ppo.rewards import RewardError
+from hf_rlhf.rewards import RewardError
 from hf_rlhf.trainers.ppo import PPOTrainer
 from hf_rlhf.toy import (
     build_toy_model,

@@ -11,9 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from hf_rlhf.ppo.reward_server import RewardServer
-from hf_rlhf.ppo.http_reward import HTTPReward
-from hf_rlhf.ppo.rewards import RewardError, build_reward_source
+from hf_rlhf.rewards.base import RewardError
+from hf_rlhf.rewards.factory import build_reward_source
+from hf_rlhf.rewards.http_client import HTTPReward
+from hf_rlhf.rewards.server import RewardServer
 from hf_rlhf.toy import prompt_dataset, reward_fn
 
 ROWS = prompt_dataset(5, seed=0)

@@ -5,7 +5,7 @@
 A body that is not a JSON object with `prompts` and `completions` gets 400; an exception in the reward function
 gets 500 with its message (which `HTTPReward` retries). Threaded, so a slow request does not block the next.
 
-    python -m hf_rlhf.ppo.reward_server --port 8000 --reward hf_rlhf.toy:reward_fn
+    python -m hf_rlhf.rewards.server --port 8000 --reward hf_rlhf.toy:reward_fn
 
 or in Python (tests, notebooks)::
 

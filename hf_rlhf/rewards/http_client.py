@@ -1,6 +1,6 @@
 """`HTTPReward`: a PPO reward source served over HTTP (a remote reward model, a verifier), standard library only.
 
-The protocol is in the class docstring; `hf_rlhf.ppo.reward_server` is a reference server that speaks it.
+The protocol is in the class docstring; `hf_rlhf.rewards.server` is a reference server that speaks it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from http.client import HTTPException
 
 import torch
 
-from .rewards import RewardError, _completion_text, check_scores
+from .base import RewardError, check_scores, completion_text
 
 logger = logging.getLogger("hf_rlhf")
 
@@ -99,7 +99,7 @@ class HTTPReward:
     def _payload(self, prompts, completions, fields) -> bytes:
         if self.protocol == "openrlhf":
             prompt_texts = [self._render(p) for p in prompts]
-            queries = [self._render(p, _completion_text(c)) if isinstance(p, list) else p + _completion_text(c)
+            queries = [self._render(p, completion_text(c)) if isinstance(p, list) else p + completion_text(c)
                        for p, c in zip(prompts, completions)]
             if self.label_field is not None and self.label_field not in fields:
                 raise RewardError(f"{self.name}: label_field={self.label_field!r} is not a dataset column; columns: "

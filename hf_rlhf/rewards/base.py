@@ -1,0 +1,139 @@
+"""The reward-source interface, its checks, and the two sources every other one builds on.
+
+    source(prompts: list, completions: list, **row_fields) -> torch.Tensor (B,) float32
+
+`prompts` are the dataset's prompts as given (strings, or message lists for conversational data); `completions`
+the decoded responses (strings, or `[{"role": "assistant", "content": ...}]` for conversational prompts);
+`row_fields` the dataset's other columns as lists of length B (e.g. `answer`), as TRL passes them to GRPO reward
+functions.
+
+- `FunctionReward`: any Python callable `(prompts, completions, **kwargs) -> list[float]` (verifiable rewards).
+  Errors, a wrong number of scores and NaN/inf scores raise a `RewardError` naming the function (and the row).
+- `TokenizedReward`: the base of the sources that score with a model of their own tokenizer: prompt + completion
+  text is re-tokenized exactly as `RewardTrainer` tokenized its training pairs (`[bos] prompt + completion [eos]`,
+  or the chat template), left-padded, and scored at the last real token. The policy and the reward model may
+  therefore use different tokenizers (TRL issue #3595).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..collators import LeftPaddingCollator
+from ..data import special_prefix, tokenize_prompt_completion
+
+
+class RewardError(ValueError):
+    """A reward source failed or returned unusable scores; `row` is the batch row at fault, when known."""
+
+    def __init__(self, message: str, row: int | None = None):
+        super().__init__(message)
+        self.row = row
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """The text of a completion: itself, or its assistant messages' contents joined (conversational data)."""
+    if isinstance(completion, list):
+        return "".join(message["content"] for message in completion)
+    return completion
+
+
+def check_scores(scores, expected: int, source: str, prompts=None, completions=None) -> torch.Tensor:
+    """Scores as a (B,) float32 tensor; raise a `RewardError` naming `source` (and the row) if they are unusable.
+
+    Args:
+        scores: a tensor or a sequence of numbers, one per completion.
+        expected: B, the number of completions.
+        source: the source's name, for errors.
+        prompts, completions: the batch, quoted in the error for a non-finite score.
+    """
+    if isinstance(scores, torch.Tensor):
+        scores = scores.detach().float().cpu().reshape(-1).tolist()
+    try:
+        scores = list(scores)
+    except TypeError:
+        raise RewardError(f"{source} returned {type(scores).__name__}, expected a list of {expected} numbers") from None
+    if len(scores) != expected:
+        raise RewardError(f"{source} returned {len(scores)} scores for {expected} completions; it must return one "
+                          "number per completion")
+    for row, score in enumerate(scores):
+        try:
+            value = float(score)
+        except (TypeError, ValueError):
+            raise RewardError(f"{source} returned {score!r} for row {row}, expected a number", row) from None
+        if not math.isfinite(value):
+            where = f"row {row}"
+            if prompts is not None:
+                where += f" (prompt {prompts[row]!r}, completion {completion_text(completions[row])!r})"
+            raise RewardError(f"{source} returned {value} for {where}; scores must be finite", row)
+    return torch.tensor([float(s) for s in scores], dtype=torch.float32)
+
+
+class FunctionReward:
+    """A Python reward function, called as TRL's GRPO calls it: `func(prompts=..., completions=..., **row_fields)`.
+
+    Args:
+        func: returns one number per completion.
+        name: shown in errors (default: the function's `__name__`).
+    """
+
+    def __init__(self, func: Callable, name: str | None = None):
+        self.func = func
+        self.name = name or getattr(func, "__name__", type(func).__name__)
+
+    def __call__(self, prompts: list, completions: list, **row_fields) -> torch.Tensor:
+        try:
+            scores = self.func(prompts=prompts, completions=completions, **row_fields)
+        except Exception as err:
+            raise RewardError(f"reward function {self.name!r} raised {type(err).__name__}: {err}") from err
+        return check_scores(scores, len(completions), f"reward function {self.name!r}", prompts, completions)
+
+
+class TokenizedReward:
+    """Base of the sources that score with a model of their own tokenizer: re-tokenize, left-pad, batch.
+
+    Args:
+        tokenizer: the reward model's tokenizer (needs a pad token; a chat template for conversational prompts).
+        batch_size: rows per forward.
+
+    Subclasses implement `score_batch(input_ids (B, T), attention_mask (B, T)) -> (B,)` and `device`, and set
+    `name`.
+    """
+
+    name = "reward model"
+
+    def __init__(self, tokenizer, batch_size: int = 64):
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the reward tokenizer has no pad token; set reward_processing_class.pad_token")
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.collator = LeftPaddingCollator(tokenizer.pad_token_id, passthrough=False)
+        self.prefix = special_prefix(tokenizer)
+
+    def tokenize(self, prompt, completion) -> list[int]:
+        """Token ids of prompt + completion, as `RewardTrainer` tokenized its pairs."""
+        text = completion_text(completion)
+        if isinstance(prompt, list):
+            messages = list(prompt) + [{"role": "assistant", "content": text}]
+            return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+        return tokenize_prompt_completion(self.tokenizer, prompt, text, self.prefix,
+                                           self.tokenizer.eos_token_id)["input_ids"]
+
+    def score_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, completions: list, **row_fields) -> torch.Tensor:
+        ids = [self.tokenize(p, c) for p, c in zip(prompts, completions)]
+        scores = []
+        for start in range(0, len(ids), self.batch_size):
+            batch = self.collator([{"input_ids": x} for x in ids[start:start + self.batch_size]])
+            scores.append(self.score_batch(batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)))
+        return check_scores(torch.cat(scores), len(completions), self.name, prompts, completions)
