@@ -160,6 +160,15 @@ class SFTConfig(DeviceDefaultsMixin, TrainingArguments):
     bf16: bool | None = field(
         default=None, metadata={"help": "bf16 mixed precision. None: on for CUDA with bf16, off on CPU."}
     )
+    nonfinite_policy: str = field(
+        default="stop", metadata={"help": "A NaN/inf loss or grad norm before an optimizer step: stop (save nothing "
+                                          "from that step on) or skip (drop that step). See hf_rlhf.nonfinite.",
+                                  "choices": ["stop", "skip"]},
+    )
+    logging_nan_inf_filter: bool = field(
+        default=False, metadata={"help": "The Trainer's filter that logs a NaN/inf loss as the mean of the others "
+                                         "(0 at a window's first step); off: a NaN loss is logged as NaN."},
+    )
     dataset_text_field: str = field(default="text", metadata={"help": "Column of plain-text datasets."})
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preparation."})
     max_length: int | None = field(default=1024, metadata={"help": "Longest tokenized example / packed row length."})
@@ -229,6 +238,15 @@ class RewardConfig(DeviceDefaultsMixin, TrainingArguments):
     logging_steps: float = field(default=10, metadata={"help": "Log every X updates steps."})
     bf16: bool | None = field(
         default=None, metadata={"help": "bf16 mixed precision. None: on for CUDA with bf16, off on CPU."}
+    )
+    nonfinite_policy: str = field(
+        default="stop", metadata={"help": "A NaN/inf loss or grad norm before an optimizer step: stop (save nothing "
+                                          "from that step on) or skip (drop that step). See hf_rlhf.nonfinite.",
+                                  "choices": ["stop", "skip"]},
+    )
+    logging_nan_inf_filter: bool = field(
+        default=False, metadata={"help": "The Trainer's filter that logs a NaN/inf loss as the mean of the others "
+                                         "(0 at a window's first step); off: a NaN loss is logged as NaN."},
     )
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
     chat_template_path: str | None = field(default=None, metadata={"help": "Tokenizer dir or Jinja file."})

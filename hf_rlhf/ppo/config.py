@@ -139,6 +139,15 @@ class PPOConfig(DeviceDefaultsMixin, TrainingArguments):
     )
     ptx_coef: float = field(default=0.0, metadata={"help": "Weight of the LM loss on the ptx_dataset."})
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the policy/value."})
+    nonfinite_policy: str = field(
+        default="stop", metadata={"help": "A NaN/inf loss, grad norm, KL or reward before an optimizer step: stop (save nothing "
+                                          "from that step on) or skip (drop that step). See hf_rlhf.nonfinite.",
+                                  "choices": ["stop", "skip"]},
+    )
+    logging_nan_inf_filter: bool = field(
+        default=False, metadata={"help": "The Trainer's filter that logs a NaN/inf loss as the mean of the others "
+                                         "(0 at a window's first step); off: a NaN loss is logged as NaN."},
+    )
 
     def __post_init__(self):
         self._resolve_device_defaults()

@@ -22,11 +22,13 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, set_seed
 from transformers.trainer import TRAINING_ARGS_NAME
 
+from ..checkpoints import AtomicCheckpointMixin
 from ..collators import PairwiseCollator
 from ..configs import ModelConfig, RewardConfig
 from ..data import ensure_pad_token
 from ..losses import pairwise_metric_sums, pairwise_metrics_from_sums, pairwise_reward_loss
 from ..models import apply_lora, lora_config, resolve_model
+from ..nonfinite import NonFiniteGuardMixin
 from ..preference_data import prepare_preference_dataset
 from ..reward_models import (
     ValueHeadModel,
@@ -60,7 +62,7 @@ def with_pairwise_metrics(compute_metrics=None):
     return compute
 
 
-class RewardTrainer(Trainer):
+class RewardTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
     """Train a reward model on preference pairs (`chosen` / `rejected`, optional `prompt` and `margin`).
 
     Args:

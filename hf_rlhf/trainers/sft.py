@@ -15,10 +15,12 @@ import time
 import torch
 from transformers import AutoTokenizer, Trainer, set_seed
 
+from ..checkpoints import AtomicCheckpointMixin
 from ..collators import PackingCollator, PaddingCollator
 from ..configs import ModelConfig, SFTConfig
 from ..data import ensure_pad_token, prepare_sft_dataset, resolve_chat_template
 from ..models import apply_lora, lora_config, resolve_model
+from ..nonfinite import NonFiniteGuardMixin
 
 logger = logging.getLogger("hf_rlhf")
 
@@ -46,7 +48,7 @@ def is_packed_batch(inputs: dict) -> bool:
     return "position_ids" in inputs and "attention_mask" not in inputs
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
     """Supervised fine-tuning on `text`, `prompt`/`completion` or conversational (`messages`) data.
 
     Args:
