@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import shutil
-import time
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -29,7 +28,6 @@ TRAINER_STATE = "trainer_state.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 OPTIMIZER_FILES = ("optimizer.pt", "scheduler.pt")
-SLOW_SAVE_ENV = "HF_RLHF_TEST_SLOW_SAVE"  # tests: seconds to sleep before each fsync'ed file of a staged save
 
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
@@ -107,11 +105,8 @@ def latest_complete_checkpoint(output_dir: str, save_only_model: bool = False) -
 
 def _fsync_tree(root: str) -> None:
     """fsync every file under `root`, then every folder (so the names are durable too)."""
-    delay = float(os.environ.get(SLOW_SAVE_ENV, "0") or 0)
     for folder, _, files in os.walk(root, topdown=False):
         for name in sorted(files):
-            if delay:
-                time.sleep(delay)
             with open(os.path.join(folder, name), "rb") as f:
                 os.fsync(f.fileno())
         _fsync_dir(folder)
@@ -151,8 +146,10 @@ class AtomicCheckpointMixin:
         run_dir = super()._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging, final = os.path.join(run_dir, STAGING_PREFIX + name), os.path.join(run_dir, name)
-        if self.args.should_save and os.path.exists(staging):  # left by a save that was killed
-            shutil.rmtree(staging)
+        if self.args.should_save and os.path.isdir(run_dir):  # staging folders left by saves that were killed
+            for stale in os.listdir(run_dir):
+                if stale.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
+                    shutil.rmtree(os.path.join(run_dir, stale), ignore_errors=True)
         self.accelerator.wait_for_everyone()
         push, self.args.push_to_hub = self.args.push_to_hub, False  # pushed from the final folder, below
         self._staging_dir = staging
@@ -182,7 +179,7 @@ class AtomicCheckpointMixin:
         _fsync_tree(staged)
         old = None
         if os.path.exists(final):  # e.g. an incomplete in-place checkpoint, or a re-run of the same step
-            old = os.path.join(os.path.dirname(final), STAGING_PREFIX + "old-" + os.path.basename(final))
+            old = os.path.join(os.path.dirname(final), STAGING_PREFIX + os.path.basename(final) + ".old")
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
         os.rename(staged, final)
