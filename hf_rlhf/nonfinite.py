@@ -68,8 +68,9 @@ class NonFiniteGuardMixin:
         watched = self._nonfinite_watch(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         for name, value in {"loss": loss, **watched}.items():
-            value = torch.as_tensor(value).detach().reshape(-1).to(device=loss.device, dtype=torch.float64)
-            self._nonfinite_values.setdefault(name, []).append(value)
+            # tensors stay where they are (no sync here); numbers as float64 on the CPU (no float32 overflow)
+            value = value.detach().float() if torch.is_tensor(value) else torch.tensor(value, dtype=torch.float64)
+            self._nonfinite_values.setdefault(name, []).append(value.reshape(-1))
         return loss
 
     def _get_grad_norm(self, model, grad_norm=None):
@@ -82,12 +83,13 @@ class NonFiniteGuardMixin:
         values = {name: torch.cat(parts) for name, parts in self._nonfinite_values.items()}
         self._nonfinite_values = {}
         if grad_norm is not None and not self.args.fp16:  # fp16: the grad scaler skips inf steps itself
-            values["grad_norm"] = torch.as_tensor(grad_norm, dtype=torch.float64).reshape(-1)
+            values["grad_norm"] = (grad_norm.detach().float() if torch.is_tensor(grad_norm)
+                                   else torch.tensor(grad_norm, dtype=torch.float64)).reshape(-1)
         if not values:
             return
         names = sorted(values)
         device = self.accelerator.device
-        flags = torch.stack([(~torch.isfinite(values[n])).any() for n in names]).to(device, torch.float32)
+        flags = torch.stack([(~torch.isfinite(values[n])).any().to(device, torch.float32) for n in names])
         if self.accelerator.num_processes > 1:  # every rank takes the same decision
             flags = self.accelerator.reduce(flags, reduction="sum")
         bad = [name for name, flag in zip(names, flags.tolist()) if flag > 0]
