@@ -193,6 +193,21 @@ class PreferenceDataOptions(DataOptions):
     )
 
 
+@dataclass
+class NonFiniteOptions:
+    """What every trainer does with a non-finite loss / grad norm (`hf_rlhf.nonfinite`), and how it is logged."""
+
+    nonfinite_policy: str = field(
+        default="stop", metadata={"help": "A NaN/inf loss or grad norm before an optimizer step: stop (save nothing "
+                                          "from that step on) or skip (drop that step). See hf_rlhf.nonfinite.",
+                                  "choices": ["stop", "skip"]},
+    )
+    logging_nan_inf_filter: bool = field(
+        default=False, metadata={"help": "The Trainer's filter that logs a NaN/inf loss as the mean of the others "
+                                         "(0 at a window's first step); off: a NaN loss is logged as NaN."},
+    )
+
+
 class DeviceDefaultsMixin:
     """Resolve `bf16` / `activation_checkpointing` left as None from the device (see module docstring)."""
 
@@ -224,7 +239,7 @@ def _deepspeed_launch(args) -> bool:
 
 
 @dataclass
-class SFTConfig(SFTDataOptions, DeviceDefaultsMixin, TrainingArguments):
+class SFTConfig(SFTDataOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     """Supervised fine-tuning options (a `TrainingArguments`).
 
     Data (`SFTDataOptions`, read by `hf_rlhf.data.prepare_sft_dataset`):
@@ -266,7 +281,7 @@ class SFTConfig(SFTDataOptions, DeviceDefaultsMixin, TrainingArguments):
 
 
 @dataclass
-class RewardConfig(PreferenceDataOptions, DeviceDefaultsMixin, TrainingArguments):
+class RewardConfig(PreferenceDataOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     """Pairwise reward-model training options (a `TrainingArguments`).
 
     Data (`PreferenceDataOptions`, read by `hf_rlhf.data.prepare_preference_dataset`):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..configs import DeviceDefaultsMixin
+from ..configs import DeviceDefaultsMixin, NonFiniteOptions
 from .kl import KL_ESTIMATORS
 
 REWARD_NORMALIZATIONS = ("none", "running", "model_stats")
@@ -27,7 +27,7 @@ PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
 
 
 @dataclass
-class PPOConfig(DeviceDefaultsMixin, TrainingArguments):
+class PPOConfig(NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     """PPO options (a `TrainingArguments`): every Trainer option works as usual.
 
     Batches (per device; see the module docstring):

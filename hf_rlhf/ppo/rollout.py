@@ -199,9 +199,11 @@ class RolloutMaker:
         mask = experience.response_mask
         kl_per_sequence = masked_sum(kl, mask, dim=1)
         non_score = -kl_coef * kl_per_sequence
+        # float64: rewards near the float32 limit (±3e38) overflow a float32 mean to inf/NaN
         means = torch.stack([
-            kl_per_sequence.mean(), masked_sum(-experience.old_logprobs, mask, dim=1).mean(), non_score.mean(),
-            (experience.scores + non_score).mean(), experience.scores.mean(), raw_scores.float().mean()]).float()
+            kl_per_sequence.double().mean(), masked_sum(-experience.old_logprobs, mask, dim=1).double().mean(),
+            non_score.double().mean(), (experience.scores.double() + non_score.double()).mean(),
+            experience.scores.double().mean(), raw_scores.double().mean()])
         means = self.accelerator.reduce(means, reduction="mean")
         num_stopped = self.accelerator.reduce(stopped.sum().float(), reduction="sum")
         stats = dict(zip(ROLLOUT_METRICS, means.tolist()))

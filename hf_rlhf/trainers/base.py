@@ -6,6 +6,8 @@
   `hf_rlhf.models.resolve_model`);
 - saving and resuming modules that are not a `PreTrainedModel` (`ValueHeadModel`, PPO's `PolicyAndValue`): they
   save with their own `save_pretrained(dir, state_dict=None)` and load back with `load_checkpoint(dir)`;
+- atomic checkpoints and resume from the latest complete one (`hf_rlhf.checkpoints.AtomicCheckpointMixin`), and
+  a non-finite loss / grad norm caught before the optimizer step (`hf_rlhf.nonfinite.NonFiniteGuardMixin`);
 - one on-device metric accumulator per mode (`self.metrics["train"]`, `self.metrics["eval"]`), reduced over ranks
   and merged into the Trainer's logs by `log` (`logged_metrics` turns the sums into what is logged).
 
@@ -20,12 +22,14 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, set_seed
 from transformers.trainer import TRAINING_ARGS_NAME
 
+from ..checkpoints import AtomicCheckpointMixin
 from ..models import apply_lora, lora_config
+from ..nonfinite import NonFiniteGuardMixin
 from ..reward_models import ValueHeadModel, reward_config_of, unwrap_peft
 from .metrics import MetricAccumulator
 
 
-class BaseTrainer(Trainer):
+class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
     """A `transformers.Trainer` with the setup, saving and metric plumbing the hf_rlhf trainers share.
 
     Subclasses set `config_class` (their `TrainingArguments` subclass) and `default_output_dir`, build their model

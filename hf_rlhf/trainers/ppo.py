@@ -27,7 +27,6 @@ import os
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, set_seed
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..collators import PaddingCollator
 from ..configs import DataOptions, ModelConfig
@@ -273,14 +272,14 @@ class PPOTrainer(BaseTrainer):
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # True: the Trainer raises
+        resume_from_checkpoint = self.resolve_resume_checkpoint(resume_from_checkpoint)
         self._resume_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
-    def _save_checkpoint(self, model, trial):
-        # the current rollout's experience first (per rank): trainer_state.json, written last, marks a full checkpoint
-        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self._loader is not None:
-            self._loader.save_state(os.path.join(self._get_output_dir(trial=trial), folder))
-        super()._save_checkpoint(model, trial)
+    def _save_checkpoint_extras(self, checkpoint_dir: str) -> None:
+        if self._loader is not None:  # the current rollout's experience (per rank), into the staged checkpoint
+            self._loader.save_state(checkpoint_dir)
+
+    def _nonfinite_watch(self, inputs) -> dict:
+        stats = inputs["rollout_stats"]  # per rollout, checked before each of its optimizer steps
+        return {"objective/kl": stats["objective/kl"], "objective/raw_scores": stats["objective/raw_scores"]}

@@ -87,6 +87,26 @@ def test_nonfinite_value_stops_training(args, metric, value, caplog):
     assert f"stopping training at step 7: {metric} = {value}" in caplog.text
 
 
+def test_a_stop_cancels_the_save_of_that_step_and_of_the_epoch_end(args):
+    callback, control = NonFiniteStopCallback(), TrainerControl()
+    control.should_save = True  # set at on_step_end: the save comes after the log in the Trainer
+    callback.on_log(args, fake_state(step=4), control, logs={"loss": float("nan")})
+    assert control.should_save is False
+    control.should_save = True  # DefaultFlowCallback at the epoch end
+    callback.on_epoch_end(args, fake_state(step=4), control)
+    assert control.should_save is False
+
+
+def test_skip_policy_only_warns(args, caplog):
+    args.nonfinite_policy = "skip"  # as hf_rlhf's configs have it; the trainer dropped those steps already
+    callback, control = NonFiniteStopCallback(), TrainerControl()
+    control.should_save = True
+    with caplog.at_level(logging.WARNING, logger="hf_rlhf"):
+        callback.on_log(args, fake_state(step=3), control, logs={"loss": float("nan")})
+    assert control.should_training_stop is False and control.should_save is True and callback.stopped is None
+    assert "step 3: loss = nan logged" in caplog.text
+
+
 def test_finite_values_and_other_metrics_do_not_stop(args):
     callback, control = NonFiniteStopCallback(), TrainerControl()
     for logs in ({"loss": 0.5, "objective/kl": 1.2, "grad_norm": 3.0}, {"learning_rate": float("nan")},
