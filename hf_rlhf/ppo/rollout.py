@@ -72,6 +72,7 @@ class RolloutMaker:
         # step 1. left-padded prompts (the last column is every row's last prompt token)
         batch = self.collator(rows)
         query_ids, query_mask = batch.pop("input_ids").to(device), batch.pop("attention_mask").to(device)
+        batch.pop("position_ids")  # every forward below builds its own from the masks (`sequence_inputs`)
         prompts = batch.pop("prompt")
 
         # step 2. sample responses with the KV cache, policy in eval mode (dropout off, as for the old log-probs)
