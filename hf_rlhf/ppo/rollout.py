@@ -91,7 +91,7 @@ class RolloutMaker:
                                                                response_mask)
 
         # step 6. per-token KL, score shaping, rewards, GAE, whitening
-        kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator)
+        kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
         scores = self._shape_scores(raw_scores, stopped, reward_moments)
         rewards = per_token_rewards(scores, kl, response_mask, kl_coef)
         # whitening statistics over every rank's tokens: W ranks whiten as one process with the global batch would
