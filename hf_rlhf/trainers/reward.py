@@ -27,6 +27,7 @@ from ..configs import ModelConfig, RewardConfig
 from ..data import ensure_pad_token
 from ..losses import pairwise_metric_sums, pairwise_metrics_from_sums, pairwise_reward_loss
 from ..models import apply_lora, lora_config, resolve_model
+from ..packing_check import check_packing_exact
 from ..preference_data import prepare_preference_dataset
 from ..reward_models import (
     ValueHeadModel,
@@ -110,6 +111,8 @@ class RewardTrainer(Trainer):
                 model = apply_lora(model, peft_config, checkpointing)
         if args.disable_dropout:
             disable_dropout(model)
+        if args.packing_check and (args.padding_free or args.prefix_sharing):  # refuse a layout the model breaks
+            check_packing_exact(model, "padding_free" if args.padding_free else "prefix_sharing", args.max_length)
 
         train_dataset = self._prepare(train_dataset, processing_class, args, "train")
         if isinstance(eval_dataset, dict):

@@ -19,6 +19,7 @@ from ..collators import PackingCollator, PaddingCollator
 from ..configs import ModelConfig, SFTConfig
 from ..data import ensure_pad_token, prepare_sft_dataset, resolve_chat_template
 from ..models import apply_lora, lora_config, resolve_model
+from ..packing_check import check_packing_exact
 
 logger = logging.getLogger("hf_rlhf")
 
@@ -90,6 +91,8 @@ class SFTTrainer(Trainer):
             eval_dataset = self._prepare(eval_dataset, processing_class, args, "eval")
 
         self.packed = args.packing or args.padding_free
+        if self.packed and args.packing_check:  # refuse an architecture whose packed sequences would see each other
+            check_packing_exact(model, "packing" if args.packing else "padding_free")
         if data_collator is None:
             data_collator = self._default_collator(model, processing_class, args)
         if self.packed:
