@@ -31,12 +31,20 @@ def _deterministic_seed():
 _OUTCOMES: dict[str, dict] = {}
 
 
+def pytest_itemcollected(item):
+    """Each zoo test's function name and parameters travel with its reports (for the results file)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    item.user_properties.append(("test", item.originalname))
+    item.user_properties.append(("params", {k: str(v) for k, v in params.items()}))
+
+
 def pytest_runtest_logreport(report):
     if "tests/zoo/" not in report.nodeid.replace(os.sep, "/"):
         return
     if report.when == "call" or report.outcome != "passed":  # setup/teardown count only when they did not pass
-        entry = _OUTCOMES.setdefault(report.nodeid, {"outcome": "passed", "message": None})
         props = dict(report.user_properties)
+        entry = _OUTCOMES.setdefault(report.nodeid, {"test": props.get("test"), "params": props.get("params", {}),
+                                                     "outcome": "passed", "message": None})
         if report.outcome == "failed":
             entry.update(outcome="failed", message=str(report.longrepr.reprcrash.message
                                                           if hasattr(report.longrepr, "reprcrash") else report.longrepr))
@@ -52,4 +60,4 @@ def pytest_sessionfinish(session):
     path = session.config.getoption("--zoo-results")
     if path:
         with open(path, "w") as f:
-            json.dump(dict(sorted(_OUTCOMES.items())), f, indent=1)
+            json.dump(_OUTCOMES, f, indent=1)  # in run order

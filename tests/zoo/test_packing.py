@@ -85,3 +85,14 @@ def test_sft_packed_equals_each_example_alone_or_refuses(tmp_path, record_proper
 def test_opt_refuses_packing(tmp_path):
     with pytest.raises(PackingCheckError, match=r"padding_free=True is not exact on this model \(opt"):
         make_trainer(tmp_path, build("opt"), "padding_free")
+
+
+def test_packing_check_in_bfloat16_keeps_the_training_mode():
+    from hf_rlhf.packing_check import check_packing_exact
+
+    llama = build("llama").to(torch.bfloat16).train()
+    assert check_packing_exact(llama, "padding_free") < 3e-2 and llama.training
+    with pytest.raises(PackingCheckError, match=r"\(opt, sdpa attention, torch.bfloat16\)"):
+        check_packing_exact(build("opt").to(torch.bfloat16), "packing")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        check_packing_exact(llama, "packed")

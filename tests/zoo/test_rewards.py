@@ -14,10 +14,7 @@ from zoo_models import MODEL_TYPES, TOKENIZER, build
 
 LAYOUTS = {"right": {}, "left": {"padding_side": "left"}, "padding_free": {"padding_free": True},
            "prefix_sharing": {"prefix_sharing": True}}
-# value-head reward models on a few architectures: RoPE, absolute positions (GPT-2), mask-derived positions (OPT)
-VALUE_HEAD_TYPES = ["llama", "gpt2", "opt", "gemma2"]
-CELLS = [(m, "seq_cls", layout) for m in MODEL_TYPES for layout in LAYOUTS] + [
-    (m, "value_head", layout) for m in VALUE_HEAD_TYPES for layout in LAYOUTS]
+CELLS = [(m, kind, layout) for m in MODEL_TYPES for kind in ("seq_cls", "value_head") for layout in LAYOUTS]
 PAIRS = preference_dataset(6, seed=3, split="train")
 
 
