@@ -254,6 +254,9 @@ class SFTConfig(SFTDataOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingA
         packing: pack the dataset into rows of `max_length` (best-fit decreasing, `trl.pack_dataset`);
             examples never attend to each other (restarted `position_ids`, no attention mask).
         padding_free: concatenate each batch into one row without pre-packing the dataset.
+        packing_check: with `packing` or `padding_free`, check before training that two short sequences give the
+            model the same outputs packed and apart, and refuse the architecture otherwise (OPT: its mask ignores
+            `position_ids`); `hf_rlhf.packing_check`. A few milliseconds; False skips it.
     Loss:
         completion_only_loss: loss on the completion only (None: yes for prompt/completion data).
         assistant_only_loss: loss on assistant turns only (conversational data).
@@ -270,6 +273,9 @@ class SFTConfig(SFTDataOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingA
                                  "choices": ["bfd", "wrapped"]},
     )
     padding_free: bool = field(default=False, metadata={"help": "Concatenate each batch into one row."})
+    packing_check: bool = field(
+        default=True, metadata={"help": "Check that packing is exact on the model before training (a few ms)."}
+    )
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad batches to a multiple of this."})
 
     def __post_init__(self):
@@ -299,6 +305,10 @@ class RewardConfig(PreferenceDataOptions, NonFiniteOptions, DeviceDefaultsMixin,
         prefix_sharing: run each pair as one row [shared prefix | chosen tail | rejected tail] whose rejected
             tail cannot see the chosen tail (a 4D mask), so the prompt is computed once per pair instead of twice.
             Same rewards as the padded path; needs `sdpa` or `eager` attention.
+        packing_check: with `padding_free` or `prefix_sharing`, check before training that two short sequences
+            get the same outputs laid out so and apart, and refuse the architecture otherwise (OPT with
+            padding_free; sliding-window models with prefix_sharing beyond their window); `hf_rlhf.packing_check`.
+            A few milliseconds; False skips it.
         pad_to_multiple_of: round padded lengths (or the packed row) up to a multiple of this.
     Loss:
         center_rewards_coefficient: weight of mean((r_chosen + r_rejected)^2), which pulls rewards towards zero
@@ -324,6 +334,9 @@ class RewardConfig(PreferenceDataOptions, NonFiniteOptions, DeviceDefaultsMixin,
     padding_free: bool = field(default=False, metadata={"help": "Flatten each batch of pairs into one row."})
     prefix_sharing: bool = field(
         default=False, metadata={"help": "Compute the prefix chosen and rejected share once per pair (sdpa/eager)."}
+    )
+    packing_check: bool = field(
+        default=True, metadata={"help": "Check that padding_free / prefix_sharing is exact on the model (a few ms)."}
     )
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad batches to a multiple of this."})
     center_rewards_coefficient: float | None = field(

@@ -291,19 +291,27 @@ def token_scores(model: nn.Module, head: nn.Module | None, inputs: dict) -> torc
 
 
 @torch.no_grad()
-def get_rewards(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def get_rewards(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Rewards of a padded batch (left or right padding) read at each row's last real token.
 
     Args:
         model: a sequence-classification reward model, a `ValueHeadModel`, or a `PeftModel` of either.
         input_ids: (B, T).
         attention_mask: (B, T).
+        position_ids: (B, T). None: counted over real tokens only (`position_ids_from_mask`), so that a row's
+            reward does not depend on its batch's padding with absolute position embeddings (GPT-2).
 
     Returns:
         (B,) float32.
     """
+    from .collators.padding import position_ids_from_mask
+
     head = find_score_head(model)
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+              "use_cache": False}
     return gather_last_token_scores(token_scores(model, head, inputs), attention_mask=attention_mask)
 
 

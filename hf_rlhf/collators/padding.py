@@ -184,12 +184,31 @@ class PaddingCollator:
         }
 
 
-def _attention_mask_key(key: str) -> str | None:
-    # TRL's naming: "input_ids" -> "attention_mask", "prompt_input_ids" -> "prompt_attention_mask".
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.LongTensor:
+    """Positions that count real tokens only, as `generate` gives them: a row's outputs do not depend on its padding.
+
+    Models with absolute position embeddings (GPT-2, GPT-NeoX's learned variants, ...) otherwise place a left-padded
+    row's first token at position = its padding, and score it differently from the same row alone.
+
+    Args:
+        attention_mask: (B, T) 1 on tokens, 0 on padding (left or right).
+
+    Returns:
+        LongTensor (B, T): 0, 1, ... on each row's tokens; 0 on left padding (right padding repeats the last).
+
+    >>> position_ids_from_mask(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]]))
+    tensor([[0, 0, 0, 1, 2],
+            [0, 1, 2, 3, 3]])
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _companion_key(key: str, name: str) -> str | None:
+    # TRL's naming: "input_ids" -> "attention_mask", "prompt_input_ids" -> "prompt_attention_mask" (same for positions).
     if key == "input_ids":
-        return "attention_mask"
+        return name
     if key.endswith("_input_ids"):
-        return key[: -len("input_ids")] + "attention_mask"
+        return key[: -len("input_ids")] + name
     return None
 
 
@@ -198,13 +217,15 @@ class LeftPaddingCollator:
 
     Args:
         pad_token_id: id put in the padding (-100 for a key named `labels`).
-        keys: token-list keys to left-pad; each `*input_ids` key also gets its `*attention_mask` (1 on tokens).
+        keys: token-list keys to left-pad; each `*input_ids` key also gets its `*attention_mask` (1 on tokens) and
+            its `*position_ids` (`position_ids_from_mask`: counting real tokens only, so that models with absolute
+            position embeddings, e.g. GPT-2, give a row the outputs it has alone).
         passthrough: return every other feature key (e.g. "prompt" text, "answer" strings) as a python list of
             length B under the same name; when False they are dropped.
 
     Returns (from `__call__`):
-        dict with, for `keys=("input_ids",)`, `input_ids` (B, T) and `attention_mask` (B, T), plus the
-        passthrough lists.
+        dict with, for `keys=("input_ids",)`, `input_ids` (B, T), `attention_mask` (B, T) and `position_ids` (B, T),
+        plus the passthrough lists.
 
     Raises:
         ValueError: `pad_token_id` is None, or a row has an empty token list (named by its index).
@@ -216,6 +237,8 @@ class LeftPaddingCollator:
                           [0, 4, 5]]),
      'attention_mask': tensor([[1, 1, 1],
                                [0, 1, 1]]),
+     'position_ids': tensor([[0, 1, 2],
+                             [0, 0, 1]]),
      'answer': ['7', '12']}
     """
 
@@ -234,11 +257,12 @@ class LeftPaddingCollator:
                     raise ValueError(f"row {row} has an empty '{key}'")
             padding_value = IGNORE_INDEX if key == "labels" else self.pad_token_id
             batch[key] = pad_sequences(sequences, padding_value, padding_side="left")
-            mask_key = _attention_mask_key(key)
+            mask_key = _companion_key(key, "attention_mask")
             if mask_key is not None:
                 batch[mask_key] = pad_sequences([[1] * len(seq) for seq in sequences], 0, padding_side="left")
+                batch[_companion_key(key, "position_ids")] = position_ids_from_mask(batch[mask_key])
         if self.passthrough:
-            # Masks in the features are dropped: the ones built above match the new padding.
+            # Masks and positions in the features are dropped: the ones built above match the new padding.
             for key in features[0]:
                 if key not in batch:
                     batch[key] = [feature.get(key) for feature in features]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .packing import PackingCollator
-from .padding import as_list, check_pad_token_id, pad_sequences
+from .padding import as_list, check_pad_token_id, pad_sequences, position_ids_from_mask
 
 PAIR_KEYS = ("chosen_ids", "rejected_ids")
 
@@ -79,7 +79,7 @@ class PairwiseCollator:
     Features: dicts with `chosen_ids`, `rejected_ids` (lists of ints) and optionally `margin` (float).
 
     Returns (from `__call__`):
-        padded: `input_ids` (2B, T), `attention_mask` (2B, T).
+        padded: `input_ids` (2B, T), `attention_mask` (2B, T) [+ `position_ids` (2B, T) with left padding].
         padding_free: `input_ids` (1, N), `position_ids` (1, N), `last_token_index` (2B,) [+ flash kwargs].
         prefix_sharing: `input_ids` (B, T), `attention_mask` (B, 1, T, T) bool, `position_ids` (B, T),
             `last_token_index` (2B,).
@@ -145,6 +145,8 @@ class PairwiseCollator:
             sequences = chosen + rejected
             batch = {"input_ids": pad_sequences(sequences, self.pad_token_id, **pad),
                      "attention_mask": pad_sequences([[1] * len(s) for s in sequences], 0, **pad)}
+            if self.padding_side == "left":  # absolute position embeddings (GPT-2) must not see the padding
+                batch["position_ids"] = position_ids_from_mask(batch["attention_mask"])
         margin = self._margin(features)
         if margin is not None:
             batch["margin"] = margin

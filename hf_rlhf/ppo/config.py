@@ -58,6 +58,7 @@ class PPOConfig(NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
         Order: normalise, clip, then subtract `missing_eos_penalty`.
     KL:
         kl_coef: β (the initial value when adaptive). kl_estimator: k1, k2 or k3 (`hf_rlhf.ppo.kl_penalty`).
+        kl_clamp: bound of each token's k3 estimate (default 10, as OpenRLHF and verl; None: unclamped).
         kl_target: None for a fixed β; else the target KL (per sequence, summed over tokens) of the adaptive
             controller (Ziegler et al. 2019), with `kl_horizon`.
     PPO:
@@ -122,6 +123,8 @@ class PPOConfig(NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     kl_estimator: str = field(
         default="k1", metadata={"help": "Per-token KL estimator.", "choices": list(KL_ESTIMATORS)}
     )
+    kl_clamp: float | None = field(default=10.0, metadata={"help": "Bound of each token's k3 KL estimate "
+                                                                   "(as OpenRLHF); None: unclamped."})
     kl_target: float | None = field(default=None, metadata={"help": "Target KL of the adaptive controller; "
                                                                     "None: fixed kl_coef."})
     kl_horizon: float = field(default=10000, metadata={"help": "Horizon of the adaptive KL controller."})
@@ -185,6 +188,7 @@ class PPOConfig(NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
             (self.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {KL_ESTIMATORS}, "
                                                  f"got {self.kl_estimator!r}"),
             (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}"),
+            (self.kl_clamp is None or self.kl_clamp > 0, f"kl_clamp must be > 0 or None, got {self.kl_clamp}"),
             (self.kl_target is None or self.kl_target > 0, f"kl_target must be > 0 or None, got {self.kl_target}"),
             (self.kl_horizon > 0, f"kl_horizon must be > 0, got {self.kl_horizon}"),
             (0 <= self.gamma <= 1 and 0 <= self.lam <= 1, f"gamma and lam must be in [0, 1], got {self.gamma}, "

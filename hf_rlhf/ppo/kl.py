@@ -7,9 +7,11 @@ import math
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+K3_CLAMP = 10.0  # OpenRLHF's and verl's bound on the estimate
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1",
+               clamp: float | None = K3_CLAMP) -> torch.Tensor:
     """Per-token estimate of KL(π‖π_ref) from tokens sampled from π.
 
     Schulman, "Approximating KL divergence" (2020, http://joschu.net/blog/kl-approx.html).
@@ -18,10 +20,16 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     low variance); k3 = (r - 1) - log r (unbiased, always ≥ 0). TRL's `kl_estimator` offers k1
     and k3; verl calls the three "kl", "mse" and "low_var_kl".
 
+    k3 grows as r = e^{log r}: one token the reference finds e^15 times likelier gives 3.3e6, a penalty that
+    swamps every score of the batch. Its estimate is therefore clamped to [-clamp, clamp] (k3 ≥ 0, so to at most
+    `clamp`), as OpenRLHF's `compute_approx_kl` and verl's "low_var_kl" do with 10. k1 and k2 grow at most
+    quadratically in log r and are not clamped (as TRL).
+
     Args:
         logprobs: (B, T) log-probabilities of the sampled tokens under the policy π.
         ref_logprobs: (B, T) the same under the reference π_ref.
         estimator: one of `KL_ESTIMATORS`.
+        clamp: bound of the k3 estimate (> 0); None: unclamped.
 
     Returns:
         (B, T); mask out padding yourself.
@@ -32,7 +40,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     if estimator == "k2":
         return 0.5 * log_ratio.square()
     if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio  # expm1: exact near r = 1, where k3 ≈ ½(log r)²
+        k3 = torch.expm1(-log_ratio) + log_ratio  # expm1: exact near r = 1, where k3 ≈ ½(log r)²
+        return k3 if clamp is None else k3.clamp(-clamp, clamp)
     raise ValueError(f"unknown KL estimator {estimator!r}; valid ones are {', '.join(KL_ESTIMATORS)}")
 
 

@@ -72,6 +72,7 @@ class RolloutMaker:
         # step 1. left-padded prompts (the last column is every row's last prompt token)
         batch = self.collator(rows)
         query_ids, query_mask = batch.pop("input_ids").to(device), batch.pop("attention_mask").to(device)
+        batch.pop("position_ids")  # every forward below builds its own from the masks (`sequence_inputs`)
         prompts = batch.pop("prompt")
 
         # step 2. sample responses with the KV cache, policy in eval mode (dropout off, as for the old log-probs)
@@ -90,7 +91,7 @@ class RolloutMaker:
                                                                response_mask)
 
         # step 6. per-token KL, score shaping, rewards, GAE, whitening
-        kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator)
+        kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
         scores = self._shape_scores(raw_scores, stopped, reward_moments)
         rewards = per_token_rewards(scores, kl, response_mask, kl_coef)
         # whitening statistics over every rank's tokens: W ranks whiten as one process with the global batch would

@@ -63,13 +63,13 @@ class AdapterReward(TokenizedReward):
     def device(self) -> torch.device:
         return next(backbone_of(self.policy).parameters()).device
 
-    def score_batch(self, input_ids, attention_mask) -> torch.Tensor:
+    def score_batch(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         training = self.policy.training
         self.policy.eval()  # the reward adapter's own dropout stays off
         try:
             with adapter_scope(self.policy, REWARD_ADAPTER):
                 hidden = backbone_of(self.policy)(input_ids=input_ids, attention_mask=attention_mask,
-                                                  use_cache=False).last_hidden_state
+                                                  position_ids=position_ids, use_cache=False).last_hidden_state
         finally:
             self.policy.train(training)
         if self.head.weight.device != hidden.device:  # the Trainer may have moved the policy after we were built

@@ -99,8 +99,8 @@ class TokenizedReward:
         tokenizer: the reward model's tokenizer (needs a pad token; a chat template for conversational prompts).
         batch_size: rows per forward.
 
-    Subclasses implement `score_batch(input_ids (B, T), attention_mask (B, T)) -> (B,)` and `device`, and set
-    `name`.
+    Subclasses implement `score_batch(input_ids (B, T), attention_mask (B, T), position_ids (B, T)) -> (B,)` and
+    `device`, and set `name`; `position_ids` count real tokens only (absolute position embeddings need them).
     """
 
     name = "reward model"
@@ -122,7 +122,8 @@ class TokenizedReward:
         return tokenize_prompt_completion(self.tokenizer, prompt, text, self.prefix,
                                            self.tokenizer.eos_token_id)["input_ids"]
 
-    def score_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def score_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     @property
@@ -135,5 +136,6 @@ class TokenizedReward:
         scores = []
         for start in range(0, len(ids), self.batch_size):
             batch = self.collator([{"input_ids": x} for x in ids[start:start + self.batch_size]])
-            scores.append(self.score_batch(batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)))
+            scores.append(self.score_batch(*(batch[k].to(self.device) for k in ("input_ids", "attention_mask",
+                                                                                 "position_ids"))))
         return check_scores(torch.cat(scores), len(completions), self.name, prompts, completions)

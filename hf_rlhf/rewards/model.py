@@ -62,8 +62,8 @@ class ModelReward(TokenizedReward):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def score_batch(self, input_ids, attention_mask) -> torch.Tensor:
-        return get_rewards(self.model, input_ids, attention_mask)
+    def score_batch(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        return get_rewards(self.model, input_ids, attention_mask, position_ids)
 
 
 # ---------------------------------------------------------------------------------------------------

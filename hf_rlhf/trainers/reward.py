@@ -25,6 +25,7 @@ from ..configs import ModelConfig, RewardConfig
 from ..data import ensure_pad_token, main_process_first_if_cached, prepare_preference_dataset
 from ..losses import PAIRWISE_METRICS, pairwise_metric_sums, pairwise_metrics_from_sums, pairwise_reward_loss
 from ..models import resolve_model
+from ..packing_check import check_packing_exact
 from ..reward_models import (
     ValueHeadModel,
     disable_dropout,
@@ -99,6 +100,8 @@ class RewardTrainer(BaseTrainer):
                               task_type="CAUSAL_LM" if isinstance(model, ValueHeadModel) else "SEQ_CLS")
         if args.disable_dropout:
             disable_dropout(model)
+        if args.packing_check and (args.padding_free or args.prefix_sharing):  # refuse a layout the model breaks
+            check_packing_exact(model, "padding_free" if args.padding_free else "prefix_sharing", args.max_length)
 
         train_dataset = self._prepare(train_dataset, processing_class, args, "train")
         if isinstance(eval_dataset, dict):

@@ -18,6 +18,7 @@ from ..collators import PackingCollator, PaddingCollator
 from ..configs import ModelConfig, SFTConfig
 from ..data import ensure_pad_token, main_process_first_if_cached, prepare_sft_dataset, resolve_chat_template
 from ..models import resolve_model
+from ..packing_check import check_packing_exact
 from .base import BaseTrainer
 
 logger = logging.getLogger("hf_rlhf")
@@ -84,6 +85,8 @@ class SFTTrainer(BaseTrainer):
             eval_dataset = self._prepare(eval_dataset, processing_class, args, "eval")
 
         self.packed = args.packing or args.padding_free
+        if self.packed and args.packing_check:  # refuse an architecture whose packed sequences would see each other
+            check_packing_exact(model, "packing" if args.packing else "padding_free")
         if data_collator is None:
             data_collator = self._default_collator(model, processing_class, args)
         if self.packed:

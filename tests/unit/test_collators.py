@@ -272,16 +272,17 @@ def test_left_padding_with_passthrough():
             {"input_ids": [4], "attention_mask": [1], "prompt": "d", "answer": "12"},
         ]
     )
-    assert set(batch) == {"input_ids", "attention_mask", "prompt", "answer"}
+    assert set(batch) == {"input_ids", "attention_mask", "position_ids", "prompt", "answer"}
     assert_close(batch["input_ids"], tensor([[1, 2, 3], [0, 0, 4]]))
     assert_close(batch["attention_mask"], tensor([[1, 1, 1], [0, 0, 1]]))
+    assert_close(batch["position_ids"], tensor([[0, 1, 2], [0, 0, 0]]))
     assert batch["prompt"] == ["a b c", "d"]
     assert batch["answer"] == ["7", "12"]
 
 
 def test_left_padding_without_passthrough_drops_other_keys():
     batch = LeftPaddingCollator(pad_token_id=0, passthrough=False)([{"input_ids": [1], "answer": "x"}])
-    assert set(batch) == {"input_ids", "attention_mask"}
+    assert set(batch) == {"input_ids", "attention_mask", "position_ids"}
 
 
 def test_left_padding_several_keys():
@@ -296,6 +297,8 @@ def test_left_padding_several_keys():
     assert_close(batch["prompt_attention_mask"], tensor([[1, 1], [0, 1]]))
     assert_close(batch["completion_input_ids"], tensor([[9, 3], [5, 6]]))
     assert_close(batch["completion_attention_mask"], tensor([[0, 1], [1, 1]]))
+    assert_close(batch["prompt_position_ids"], tensor([[0, 1], [0, 0]]))
+    assert_close(batch["completion_position_ids"], tensor([[0, 0], [0, 1]]))
 
 
 def test_left_padding_errors():

@@ -32,6 +32,9 @@ def test_left_padding_and_multiple_of():
     assert batch["input_ids"].tolist() == [[9, 9, 9, 1, 2, 3], [9, 9, 9, 9, 6, 7], [9, 9, 1, 2, 4, 5],
                                            [9, 9, 9, 9, 9, 8]]
     assert batch["attention_mask"][:, -1].tolist() == [1, 1, 1, 1]
+    # positions count real tokens only, so that absolute position embeddings (GPT-2) do not see the padding
+    assert batch["position_ids"].tolist() == [[0, 0, 0, 0, 1, 2], [0, 0, 0, 0, 0, 1], [0, 0, 0, 1, 2, 3],
+                                              [0, 0, 0, 0, 0, 0]]
 
 
 def test_margin_is_a_float_tensor_and_must_be_in_every_row():

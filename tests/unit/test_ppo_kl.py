@@ -35,6 +35,28 @@ def test_unknown_estimator_lists_the_valid_ones():
         kl_penalty(LOGP, REF, "kl")
 
 
+def test_k3_is_clamped_as_openrlhf_and_only_k3():
+    # log π/π_ref = -15, -1, 0, 3: k3 = e^{15} - 16 = 3.3e6 before the clamp; e - 2; 0; e^{-3} + 2
+    logp = torch.tensor([[-16.0, -2.0, -1.0, -1.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.0, -1.0, -1.0, -4.0]], dtype=torch.float64)
+    unclamped = torch.tensor([[math.exp(15) - 16, math.e - 2, 0.0, math.exp(-3) + 2]], dtype=torch.float64)
+    assert_close(kl_penalty(logp, ref, "k3", clamp=None), unclamped)
+    assert_close(kl_penalty(logp, ref, "k3"), torch.tensor([[10.0, math.e - 2, 0.0, math.exp(-3) + 2]],
+                                                          dtype=torch.float64))  # default clamp 10
+    assert_close(kl_penalty(logp, ref, "k3", clamp=2.0), unclamped.clamp(max=2.0))
+    # k1 and k2 keep their values (TRL does not clamp them)
+    assert_close(kl_penalty(logp, ref, "k1"), torch.tensor([[-15.0, -1.0, 0.0, 3.0]], dtype=torch.float64))
+    assert_close(kl_penalty(logp, ref, "k2"), torch.tensor([[112.5, 0.5, 0.0, 4.5]], dtype=torch.float64))
+
+
+def test_ppo_config_kl_clamp_is_checked():
+    from hf_rlhf.ppo.config import PPOConfig
+
+    assert PPOConfig(output_dir="out", report_to="none").kl_clamp == 10.0
+    with pytest.raises(ValueError, match="kl_clamp must be > 0 or None"):
+        PPOConfig(output_dir="out", report_to="none", kl_clamp=0.0)
+
+
 def test_k1_and_k3_average_to_the_true_kl_on_samples():
     p, q = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64), torch.tensor([0.3, 0.3, 0.4], dtype=torch.float64)
     true_kl = (p * (p / q).log()).sum()
