@@ -27,6 +27,18 @@ def adapter_parameter_names(model: nn.Module, adapter: str) -> list[str]:
     return [name for name, _ in model.named_parameters() if pattern.search(name)]
 
 
+def set_adapter_requires_grad(model: nn.Module, adapter: str, requires_grad: bool) -> None:
+    """Set `requires_grad` of `adapter`'s own LoRA parameters in `model` (every other parameter left as it is).
+
+    Args:
+        model: a `PeftModel`, or a module holding one.
+        adapter: the adapter's name.
+        requires_grad: the flag to set.
+    """
+    for name in adapter_parameter_names(model, adapter):
+        model.get_parameter(name).requires_grad_(requires_grad)
+
+
 @contextmanager
 def adapter_scope(model: nn.Module, adapter: str | None):
     """Run the `PeftModel` `model` with only `adapter` active (None: every adapter off), then restore it.

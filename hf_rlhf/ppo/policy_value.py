@@ -27,7 +27,7 @@ from accelerate.utils import is_peft_model
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ..adapters import adapter_parameter_names, adapter_scope
+from ..adapters import adapter_parameter_names, adapter_scope, set_adapter_requires_grad
 from ..models import load_weights
 from ..reward_models import (
     VALUE_HEAD_FILE,
@@ -94,12 +94,26 @@ class PolicyAndValue(nn.Module):
             if shared:
                 hidden = out.hidden_states[-1]  # after the final norm, as the LM head sees it
             else:  # (c): the same base under the value adapter; the LM head is skipped
+                if torch.is_grad_enabled():
+                    self.require_value_grads()  # before the scope, which restores the flags it finds on entry
                 with adapter_scope(self.policy, self.value_adapter):
                     hidden = backbone_of(self.policy)(**inputs).last_hidden_state
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
         else:
             values = token_scores(self.value_model, self._value_score_head, inputs)
         return PolicyValueOutput(logits=out.logits, token_values=values)
+
+    def require_value_grads(self) -> None:
+        """Make the value adapter's parameters require grad again (nothing to do without a value adapter).
+
+        peft's own switches (`PeftModel.disable_adapter`, `set_adapter`) leave only the active adapter requiring
+        grad, so one run outside `adapter_scope` (a user's callback, a helper of another library) freezes the value
+        adapter; `adapter_scope` would then restore that frozen flag before the backward, and the Trainer would build
+        its optimizer without the value adapter: the value function would silently stop training. Called before
+        every value forward that records a graph and before the optimizer is built.
+        """
+        if self.value_adapter is not None:
+            set_adapter_requires_grad(self.policy, self.value_adapter, True)
 
     def value_parameter_names(self) -> set[str]:
         """Names (as in `named_parameters()`) of the value function's own parameters."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from accelerate.utils import is_peft_model
 from torch import nn
 
-from ..adapters import adapter_parameter_names
+from ..adapters import set_adapter_requires_grad
 
 VALUE_ADAPTER = "value"
 
@@ -66,6 +66,5 @@ def add_value_adapter(policy: nn.Module, spec: ValueAdapter, activation_checkpoi
                            else policy.peft_config[policy.active_adapter])
     config.inference_mode = False
     policy.add_adapter(VALUE_ADAPTER, config)
-    for name in adapter_parameter_names(policy, VALUE_ADAPTER):
-        policy.get_parameter(name).requires_grad_(True)
+    set_adapter_requires_grad(policy, VALUE_ADAPTER, True)
     return VALUE_ADAPTER

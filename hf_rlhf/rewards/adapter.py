@@ -26,7 +26,7 @@ from peft.utils import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import load_file
 from torch import nn
 
-from ..adapters import adapter_parameter_names, adapter_scope
+from ..adapters import adapter_scope, set_adapter_requires_grad
 from ..reward_models import VALUE_HEAD_FILE, backbone_of, gather_last_token_scores, load_reward_stats, unwrap_peft
 from .base import TokenizedReward
 
@@ -111,8 +111,7 @@ def attach_reward_adapter(policy: nn.Module, spec: RewardAdapter, tokenizer, bat
     if missing or unexpected:
         raise ValueError(f"the reward adapter in {spec.path} does not fit the policy's base: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
-    for name in adapter_parameter_names(policy, REWARD_ADAPTER):
-        policy.get_parameter(name).requires_grad_(False)
+    set_adapter_requires_grad(policy, REWARD_ADAPTER, False)
 
     hidden = unwrap_peft(policy).config.get_text_config().hidden_size
     head = _load_head(spec.path, head_state, hidden).to(next(backbone_of(policy).parameters()).device)

@@ -256,10 +256,11 @@ class PPOTrainer(BaseTrainer):
 
     # -- optimizer: the value function may get its own learning rate ---------------------------------
     def create_optimizer(self, model=None):
+        module = self.accelerator.unwrap_model(model if model is not None else self.model)
+        module.require_value_grads()  # the Trainer keeps only parameters requiring grad; peft's switches may freeze it
         optimizer = super().create_optimizer(model)
         lr = self.args.value_learning_rate
         if lr is not None:
-            module = self.accelerator.unwrap_model(model if model is not None else self.model)
             names = module.value_parameter_names()
             value_ids = {id(p) for name, p in module.named_parameters() if name in names}
             for group in list(optimizer.param_groups):

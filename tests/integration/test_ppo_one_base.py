@@ -166,6 +166,26 @@ def test_adapter_scope_restores_the_adapter_and_requires_grad_on_error(base_dir,
         assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
 
 
+def test_value_adapter_trains_after_a_peft_switch_outside_adapter_scope(tmp_path, base_dir, tokenizer, prompts):
+    # peft's own disable_adapter() leaves only the active adapter requiring grad on exit; the value adapter must
+    # still be in the optimizer and get gradients (before the fix it was silently frozen: no 4-bit base needed)
+    trainer = ppo_trainer(base_dir, lambda prompts, completions, **kw: [float(len(c)) for c in completions],
+                          tmp_path, tokenizer, prompts, value_model="adapter", args=dict(max_steps=1, num_ppo_epochs=1))
+    policy = trainer.model.policy
+    value_names = {n for n in trainable_names(trainer) if f".{VALUE_ADAPTER}." in n}
+    assert value_names
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with torch.no_grad(), policy.disable_adapter():
+        policy(input_ids=torch.tensor([tokenizer.encode(prompts[0]["prompt"])]))
+
+    trainer.train()
+    in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    params = dict(trainer.model.named_parameters())
+    assert {id(params[n]) for n in value_names} <= in_optimizer
+    assert any(not torch.equal(params[n], before[n]) for n in value_names if ".lora_B." in n)
+    assert value_names <= trainable_names(trainer) and policy.active_adapter == "default"
+
+
 # ---------------------------------------------------------------------------------------------------
 # (b) the one-base reward is the reward model's
 
@@ -250,7 +270,7 @@ def test_one_base_ppo_on_a_4bit_base_trains_on_cpu(tmp_path, base_dir, reward_di
     probe = torch.tensor([tokenizer.encode(prompts[0]["prompt"])])
 
     def reference_logits():
-        with torch.no_grad(), policy.disable_adapter():
+        with torch.no_grad(), adapter_scope(policy, None):  # peft's raw switch: test_value_adapter_trains_after_...
             return policy(input_ids=probe).logits
 
     reference_before = reference_logits()
