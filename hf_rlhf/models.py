@@ -129,14 +129,31 @@ def is_quantized(model) -> bool:
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
+def keep_4bit_differentiable(model) -> int:
+    """Keep every bitsandbytes 4-bit layer of `model` on its differentiable path; returns how many were switched.
+
+    bitsandbytes >= 0.49 repacks a `Linear4bit` weight for a CPU inference kernel at its first eval-mode, no-grad
+    forward (a PPO rollout, an evaluation); from then on the layer runs `gemv_4bit`, which has no backward, so the
+    gradients that flow through the frozen base to earlier LoRA adapters silently become zero. A base that is
+    trained through (QLoRA) keeps the plain dequantize-and-matmul path.
+    """
+    switched = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            switched += 1
+    return switched
+
+
 def apply_lora(model: PreTrainedModel, peft_config, gradient_checkpointing: bool = False):
     """Wrap `model` with LoRA adapters (preparing a 4/8-bit base for k-bit training first).
 
     `peft_config` is a `peft.LoraConfig` (or any peft config). A model that is already a
-    `PeftModel` is returned unchanged.
+    `PeftModel` is returned unchanged (but for its 4-bit layers, kept differentiable: `keep_4bit_differentiable`).
     """
     from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
 
+    keep_4bit_differentiable(model)
     if isinstance(model, PeftModel):
         return model
     if is_quantized(model):
