@@ -21,7 +21,7 @@ it every process trains alone on all the data, and they all write the same outpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import trl
 from transformers import TrainingArguments
@@ -146,6 +146,21 @@ class DataOptions:
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:  # mixed into a TrainingArguments: its own __post_init__ runs next
             parent()
+
+    @classmethod
+    def from_options(cls, options: "DataOptions"):
+        """`options` as a `cls` (e.g. `SFTDataOptions`): itself when it is one (a trainer config), else its
+        `DataOptions` fields with `cls`'s defaults for the rest.
+
+        Raises:
+            TypeError: `options` is not a `DataOptions` (duck-typed args are not accepted).
+        """
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, DataOptions):
+            raise TypeError(f"options must be a DataOptions (a trainer config, {cls.__name__}(...) or "
+                            f"DataOptions(...)), got {type(options).__name__}")
+        return cls(**{f.name: getattr(options, f.name) for f in fields(DataOptions)})
 
 
 @dataclass

@@ -16,11 +16,10 @@ from .preference import (
     check_margin,
     check_token_ids,
     detect_preference_format,
-    preference_options,
     prepare_preference_dataset,
     validate_preference_dataset,
 )
-from .sft import CONVERSATIONAL_FORMATS, detect_format, prepare_sft_dataset, sft_options, validate_sft_dataset
+from .sft import CONVERSATIONAL_FORMATS, detect_format, prepare_sft_dataset, validate_sft_dataset
 from .tokenization import (
     OVERLONG_POLICIES,
     apply_length_policy,
@@ -77,11 +76,9 @@ __all__ = [
     "is_conversational_column",
     "iter_rows",
     "main_process_first_if_cached",
-    "preference_options",
     "prepare_preference_dataset",
     "prepare_sft_dataset",
     "resolve_chat_template",
-    "sft_options",
     "special_prefix",
     "tokenize_prompt_completion",
     "token_id",

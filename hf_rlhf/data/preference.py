@@ -22,7 +22,7 @@ they differ, so the pair would teach nothing), in which case the pair is dropped
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from numbers import Real
 
@@ -200,25 +200,6 @@ def _resolve_use_margin(use_margin: bool | None, columns: list[str]) -> bool:
     return bool(use_margin)
 
 
-def preference_options(options: DataOptions) -> PreferenceDataOptions:
-    """`options` as `PreferenceDataOptions`: itself if it is one (a `RewardConfig`), else with `use_margin=None`.
-
-    `use_margin=None` uses the dataset's margin column when there is one.
-
-    Args:
-        options: a `DataOptions` (a plain one, a `PreferenceDataOptions`, or a config that inherits them).
-
-    Returns:
-        The `PreferenceDataOptions` that `prepare_preference_dataset` reads.
-    """
-    if isinstance(options, PreferenceDataOptions):
-        return options
-    if not isinstance(options, DataOptions):
-        raise TypeError(f"options must be a DataOptions (a RewardConfig, PreferenceDataOptions(...) or "
-                        f"DataOptions(...)), got {type(options).__name__}")
-    return PreferenceDataOptions(**{f.name: getattr(options, f.name) for f in fields(DataOptions)})
-
-
 def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_stats: bool = False):
     """Detect, validate and tokenize preference pairs (a `Dataset` or a list of dicts; left unchanged).
 
@@ -233,7 +214,8 @@ def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_
         A `Dataset` with `chosen_ids`, `rejected_ids` (lists of ints) and, with a margin, `margin` (float);
         or `(dataset, stats)`.
     """
-    opts, owner = preference_options(options), type(options).__name__  # errors name the class the user passed
+    opts = PreferenceDataOptions.from_options(options)
+    owner = type(options).__name__  # errors name the class the user passed
     check_overlong_policy(opts.overlong_policy)
 
     # step 1. format and every row, before any tokenization

@@ -13,7 +13,7 @@ Tokenized columns: `input_ids`; `completion_mask` (1 on completion tokens, promp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 
 from ..configs import DataOptions, SFTDataOptions
@@ -160,23 +160,6 @@ def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
     return out
 
 
-def sft_options(options: DataOptions) -> SFTDataOptions:
-    """`options` as `SFTDataOptions`: itself if it is one (an `SFTConfig`), else its fields with SFT's defaults.
-
-    Args:
-        options: a `DataOptions` (a plain one, an `SFTDataOptions`, or a config that inherits them).
-
-    Returns:
-        The `SFTDataOptions` that `prepare_sft_dataset` reads.
-    """
-    if isinstance(options, SFTDataOptions):
-        return options
-    if not isinstance(options, DataOptions):
-        raise TypeError(f"options must be a DataOptions (an SFTConfig, SFTDataOptions(...) or DataOptions(...)), "
-                        f"got {type(options).__name__}")
-    return SFTDataOptions(**{f.name: getattr(options, f.name) for f in fields(DataOptions)})
-
-
 def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: bool = False):
     """Detect, validate and tokenize an SFT dataset (a `Dataset` or a list of dicts; left unchanged).
 
@@ -191,7 +174,8 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
         A `Dataset` with `input_ids` and, per format, `completion_mask` / `assistant_masks`
         (each a list with one entry per token), or `(dataset, stats)`.
     """
-    opts, owner = sft_options(options), type(options).__name__  # errors name the class the user passed
+    opts = SFTDataOptions.from_options(options)
+    owner = type(options).__name__  # errors name the class the user passed
     check_overlong_policy(opts.overlong_policy)
 
     # step 1. format and every row, before any tokenization

@@ -19,7 +19,6 @@ from hf_rlhf.data import (
     ensure_pad_token,
     prepare_sft_dataset,
     resolve_chat_template,
-    sft_options,
     validate_sft_dataset,
 )
 
@@ -448,7 +447,7 @@ def test_plain_data_options_give_the_sft_config_tokens(tokenizer, tmp_path, poli
 
 def test_plain_data_options_take_sft_defaults_for_sft_only_fields(tokenizer):
     rows = [{"text": "hello"}]
-    assert sft_options(DataOptions(max_length=None)) == sft_args()
+    assert SFTDataOptions.from_options(DataOptions(max_length=None)) == sft_args()
     assert prepare_sft_dataset(rows, tokenizer, DataOptions()).to_list() == \
         prepare_sft_dataset(rows, tokenizer, sft_args(max_length=1024)).to_list()
 
