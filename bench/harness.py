@@ -67,3 +67,14 @@ def write_report(path: str, report: dict, versions: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({**report, "machine": machine}, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def finish(output: str, command: str, report: dict, packages: tuple[str, ...], sections: dict[str, str] | None = None,
+           **fixed_versions: str) -> None:
+    """Print the benchmark's table, notes and extra `sections` (title -> markdown) and how to reproduce it, then
+    write `report` (which holds "table" and "notes") with the command and the machine to `output`."""
+    sections = sections or {}
+    print("\n" + report["table"] + "\n\n" + "\n".join(f"- {n}" for n in report["notes"])
+          + "".join(f"\n\n{title}:\n\n{text}" for title, text in sections.items())
+          + f"\n\nReproduce: `{command}`")
+    write_report(output, {"command": command, **report}, versions(packages, **fixed_versions))

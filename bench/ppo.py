@@ -594,14 +594,12 @@ def main(argv: list[str] | None = None) -> None:
     tables = {"table": markdown_table(summary), "phase_table": phase_table(runs, configs),
               "memory_table": memory_table(runs, configs)}
     notes = notes_for(runs, summary, settings, cli.repeats)
-    print("\n" + tables["table"] + "\n\n" + "\n".join(f"- {n}" for n in notes)
-          + "\n\nMedian seconds of `train()` by phase:\n\n" + tables["phase_table"]
-          + "\n\nMemory (median MB):\n\n" + tables["memory_table"] + f"\n\nReproduce: `{command}`")
-
-    harness.write_report(cli.output, {"command": command, "settings": settings, "common": COMMON, "configs": configs,
-                                      "summary": summary, **tables, "notes": notes, "runs": runs},
-                         harness.versions(("torch", "transformers", "trl", "accelerate", "peft", "datasets"),
-                                          trl_baseline=TRL_VERSION))
+    harness.finish(cli.output, command, {"settings": settings, "common": COMMON, "configs": configs,
+                                         "summary": summary, **tables, "notes": notes, "runs": runs},
+                   ("torch", "transformers", "trl", "accelerate", "peft", "datasets"),
+                   sections={"Median seconds of `train()` by phase": tables["phase_table"],
+                             "Memory (median MB)": tables["memory_table"]},
+                   trl_baseline=TRL_VERSION)
 
 
 if __name__ == "__main__":

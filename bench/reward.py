@@ -206,11 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     if REFERENCE in configs:
         notes.append("Per-round ratios vs trl: " + "; ".join(
             f"{n} {', '.join(f'{x:.2f}' for x in e['ratios_vs_trl'])}" for n, e in summary.items() if n != REFERENCE))
-    print("\n" + table + "\n\n" + "\n".join(f"- {n}" for n in notes) + f"\n\nReproduce: `{command}`")
-
-    harness.write_report(cli.output, {"command": command, "settings": settings, "configs": configs,
-                                      "summary": summary, "table": table, "notes": notes, "runs": runs},
-                         harness.versions(("torch", "transformers", "trl", "datasets", "accelerate")))
+    harness.finish(cli.output, command, {"settings": settings, "configs": configs, "summary": summary, "table": table,
+                                         "notes": notes, "runs": runs},
+                   ("torch", "transformers", "trl", "datasets", "accelerate"))
 
 
 if __name__ == "__main__":

@@ -288,11 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(runs, configs, cli.repeats)
     table = markdown_table(summary)
     notes = report_notes(runs, summary, settings, configs, cli.repeats)
-    print("\n" + table + "\n\n" + "\n".join(f"- {n}" for n in notes) + f"\n\nReproduce: `{command}`")
-
-    harness.write_report(cli.output, {"command": command, "settings": settings, "configs": configs,
-                                      "summary": summary, "table": table, "notes": notes, "runs": runs},
-                         harness.versions(("torch", "transformers", "trl", "datasets", "accelerate")))
+    harness.finish(cli.output, command, {"settings": settings, "configs": configs, "summary": summary, "table": table,
+                                         "notes": notes, "runs": runs},
+                   ("torch", "transformers", "trl", "datasets", "accelerate"))
 
 
 if __name__ == "__main__":
