@@ -64,9 +64,9 @@ def build_callbacks(script_args, args: PPOConfig, data: PromptData) -> list:
             list(data.held_out["prompt"][:script_args.sample_prompts]), every_n_steps=script_args.sample_every,
             max_new_tokens=args.response_length, score_fn=data.score_fn))
     if script_args.plot:
-        bands = {"objective/kl": (args.kl_target * (1 - KL_BAND), args.kl_target * (1 + KL_BAND))}
-        callbacks.append(PlotCallback(list(PLOT_TITLES), filename="ppo_curves.png", titles=PLOT_TITLES,
-                                      bands=bands if args.kl_target else None))
+        target = args.kl_target  # None: a fixed KL coefficient, no target band
+        bands = {"objective/kl": (target * (1 - KL_BAND), target * (1 + KL_BAND))} if target else None
+        callbacks.append(PlotCallback(list(PLOT_TITLES), filename="ppo_curves.png", titles=PLOT_TITLES, bands=bands))
     return callbacks
 
 

@@ -3,6 +3,7 @@ the verifiable reward, writes results.json and the curves PNG. No accuracy is as
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -87,3 +88,17 @@ def test_a_real_run_needs_a_policy_and_a_reward_model(tmp_path):
         recipe.main(argv)
     with pytest.raises(ValueError, match="--reward_model_path"):
         recipe.main([*argv, "--model_name_or_path", "some/policy"])
+
+
+def test_callbacks_for_a_fixed_and_an_adaptive_kl_coefficient():
+    from hf_rlhf.callbacks import PlotCallback, SampleCompletionsCallback
+    from hf_rlhf.recipe_support import PromptData
+
+    script_args = SimpleNamespace(sample_prompts=2, sample_every=0, plot=True)
+    data = PromptData(train=None, held_out={"prompt": ["1+2=", "3+4=", "5+6="]})
+    for target, band in ((None, None), (2.0, (1.5, 2.5))):
+        callbacks = recipe.build_callbacks(script_args, SimpleNamespace(kl_target=target, response_length=4), data)
+        plot = next(c for c in callbacks if isinstance(c, PlotCallback))
+        assert (plot.bands or {}).get("objective/kl") == band
+        samples = next(c for c in callbacks if isinstance(c, SampleCompletionsCallback))
+        assert samples.prompts == ["1+2=", "3+4="]
