@@ -124,7 +124,7 @@ def build_environment(environ: dict[str, str] | None = None, cores: int | None =
     `accelerate launch` sets OMP_NUM_THREADS=1 in every process it starts, a single one included. On a free 2-core
     machine the SFT build (packed batches of 8 x 128 tokens) runs about 1.5x faster on both cores (304 s -> 207 s
     measured), so a single-process launch's child gets every free core (`build_threads`). On a busy machine a second
-    thread only waits for a core (40 SFT steps took 3.5x longer on 2 threads than on 1 at a load of 7, measured),
+    thread only waits for a core (a 40-step SFT run took 3 min 39 s on 2 threads, about 1 min on 1, at a load of 7),
     and under a multi-process launch the other ranks hold the cores: the child keeps the launcher's threads.
     Variables of a launch's process group are removed: the child is a run of its own.
     """
