@@ -39,6 +39,9 @@ class ToyChainArguments:
     toy_train_size: int = field(default=4096, metadata={"help": "Toy task: training prompts."})
     toy_test_size: int = field(default=400, metadata={"help": "Toy task: held-out prompts for evaluation."})
     toy_seed: int = field(default=0, metadata={"help": "Seed of the toy prompts."})
+    build_threads: int | None = field(
+        default=None, metadata={"help": "Toy task: torch threads of a single-process build (None: the cores the "
+                                        "machine has free). The built model depends on it, as float sums do."})
 
 
 def is_toy_run(script_args) -> bool:
@@ -92,7 +95,8 @@ def toy_chain(script_args, toy_args: ToyChainArguments, model_config, recipes_di
         print(f"[hf_rlhf] {name} model: {path} is missing; building it now with recipes/{name}.py "
               f"--config {os.path.relpath(config)}", flush=True)
         start = time.perf_counter()
-        build_with_recipe(os.path.join(recipes_dir, f"{name}.py"), ["--config", config, "--output_dir", path, *extra])
+        build_with_recipe(os.path.join(recipes_dir, f"{name}.py"), ["--config", config, "--output_dir", path, *extra],
+                          threads=toy_args.build_threads)
         timings[f"{name}_s"] = round(time.perf_counter() - start, 1)
         print(f"[hf_rlhf] {name} model built in {timings[f'{name}_s']:.0f} s")
     return PromptData(
@@ -117,28 +121,32 @@ def build_threads(cores: int, load: float) -> int:
     return max(1, min(cores, cores - round(load)))
 
 
-def build_environment(environ: dict[str, str] | None = None, cores: int | None = None,
-                      load: float | None = None) -> dict[str, str]:
+def build_environment(environ: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
     """The environment of a single-process recipe run started from this process.
 
     `accelerate launch` sets OMP_NUM_THREADS=1 in every process it starts, a single one included. On a free 2-core
     machine the SFT build (packed batches of 8 x 128 tokens) runs about 1.5x faster on both cores (304 s -> 207 s
-    measured), so a single-process launch's child gets every free core (`build_threads`). On a busy machine a second
-    thread only waits for a core (a 40-step SFT run took 3 min 39 s on 2 threads, about 1 min on 1, at a load of 7),
-    and under a multi-process launch the other ranks hold the cores: the child keeps the launcher's threads.
-    Variables of a launch's process group are removed: the child is a run of its own.
+    measured), so a single-process launch's child gets `threads`, by default every free core (`build_threads`). On a
+    busy machine a second thread only waits for a core (a 40-step SFT run took 3 min 39 s on 2 threads, about 1 min
+    on 1, at a load of 7), and under a multi-process launch the other ranks hold the cores: the child keeps the
+    launcher's threads. Variables of a launch's process group are removed: the child is a run of its own.
     """
     env = dict(os.environ if environ is None else environ)
     if int(env.get("WORLD_SIZE", "1")) == 1:
-        cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-        env["OMP_NUM_THREADS"] = str(build_threads(cores, os.getloadavg()[0] if load is None else load))
+        if threads is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            threads = build_threads(cores, os.getloadavg()[0])
+        env["OMP_NUM_THREADS"] = str(threads)
     for name in DISTRIBUTED_ENV:
         env.pop(name, None)
     return env
 
 
-def build_with_recipe(script: str, argv: list[str]) -> None:
+def build_with_recipe(script: str, argv: list[str], threads: int | None = None) -> None:
     """Run the recipe `script` with `argv` in a single-process subprocess (on the main process of a launch only).
+
+    Args:
+        threads: torch threads of the child (`build_environment`).
 
     Raises:
         RuntimeError: the recipe exited with a non-zero status.
@@ -148,7 +156,7 @@ def build_with_recipe(script: str, argv: list[str]) -> None:
     state = PartialState()
     with state.main_process_first():  # the other ranks wait, then find the model built
         if state.is_main_process:
-            done = subprocess.run([sys.executable, script, *argv], env=build_environment())
+            done = subprocess.run([sys.executable, script, *argv], env=build_environment(threads=threads))
             if done.returncode != 0:
                 raise RuntimeError(f"building a toy prerequisite failed (exit {done.returncode}): "
                                    f"{sys.executable} {script} {' '.join(argv)}")

@@ -254,13 +254,17 @@ def test_build_threads_are_the_free_cores():
     assert build_threads(16, 3.2) == 13 and build_threads(4, -1.0) == 4
 
 
-def test_build_environment_gives_a_single_process_build_the_free_cores():
+def test_build_environment_gives_a_single_process_build_the_free_cores(monkeypatch):
     launched = {"OMP_NUM_THREADS": "1", "PATH": "/bin", "ACCELERATE_MIXED_PRECISION": "no"}
-    assert build_environment(launched, cores=2, load=0.3) == {**launched, "OMP_NUM_THREADS": "2"}
-    assert build_environment(launched, cores=2, load=5.0) == launched  # a busy machine: one thread
+    assert build_environment(launched, threads=3) == {**launched, "OMP_NUM_THREADS": "3"}
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr("os.getloadavg", lambda: (0.3, 0.3, 0.3))
+    assert build_environment(launched) == {**launched, "OMP_NUM_THREADS": "2"}
+    monkeypatch.setattr("os.getloadavg", lambda: (5.0, 5.0, 5.0))
+    assert build_environment(launched) == launched  # a busy machine: one thread
     # under a multi-process launch the child keeps the launcher's threads and leaves its process group
     ranked = {**launched, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
-    assert build_environment(ranked, cores=2, load=0.0) == launched
+    assert build_environment(ranked, threads=2) == launched
 
 
 def test_build_with_recipe_runs_a_subprocess_and_reports_failure(tmp_path, monkeypatch):
@@ -274,6 +278,8 @@ def test_build_with_recipe_runs_a_subprocess_and_reports_failure(tmp_path, monke
     build_with_recipe(str(script), ["ok", str(tmp_path / "seen.json")])
     assert json.loads((tmp_path / "seen.json").read_text()) == {"argv": ["ok", str(tmp_path / "seen.json")],
                                                                "omp": "1"}
+    build_with_recipe(str(script), ["ok", str(tmp_path / "seen.json")], threads=2)  # pinned
+    assert json.loads((tmp_path / "seen.json").read_text())["omp"] == "2"
     with pytest.raises(RuntimeError, match="exit 3"):
         build_with_recipe(str(script), ["fail", str(tmp_path / "seen.json")])
 
