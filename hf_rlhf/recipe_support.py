@@ -1,13 +1,16 @@
-"""Plumbing shared by the recipes: argument parsing, the toy base model, dataset loading, results files."""
+"""Plumbing shared by the recipes: argument parsing, dataset loading, evaluation, KL summary, results files."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from .configs import ModelConfig
+KL_BAND = 0.25  # the adaptive KL controller's acceptance band: target ± 25 %
 
 
 def parse_recipe_args(dataclass_types, argv: list[str] | None, toy_config: str):
@@ -36,49 +39,13 @@ def parse_recipe_args(dataclass_types, argv: list[str] | None, toy_config: str):
     return parsed
 
 
-def prepare_toy_base(model_config: ModelConfig, training_args, size: str, seed: int, reward: bool = False):
-    """Build the toy tokenizer and a freshly initialised toy model.
-
-    The base is saved under `<output_dir>/base` and `model_config.model_name_or_path` points there, so
-    that a LoRA adapter records a base it can be reloaded from, and QLoRA loads that base in 4 bit
-    through the ordinary `from_pretrained` path.
-    """
-    from .models import load_model
-    from .toy import build_toy_model, build_toy_reward_model, build_toy_tokenizer
-
-    tokenizer = build_toy_tokenizer()
-    model = (build_toy_reward_model if reward else build_toy_model)(tokenizer, size=size, seed=seed)
-    if not model_config.use_peft:
-        return model, tokenizer
-    base_dir = os.path.join(training_args.output_dir, "base")
-    if training_args.process_index == 0:
-        model.save_pretrained(base_dir)
-        tokenizer.save_pretrained(base_dir)
-    _barrier(training_args)
-    model_config.model_name_or_path = base_dir
-    if model_config.load_in_4bit or model_config.load_in_8bit:
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-        cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
-        model = load_model(model_config, cls, **({"num_labels": 1} if reward else {}))
-    else:
-        model.config._name_or_path = base_dir
-        model.name_or_path = base_dir
-    return model, tokenizer
-
-
-def _barrier(training_args):
-    if training_args.world_size > 1:
-        from accelerate import PartialState
-
-        PartialState().wait_for_everyone()
-
-
 def load_text_dataset(script_args):
     """(train, test-or-None) from a hub id, a dataset directory or a json/jsonl/csv/parquet file."""
     import datasets
 
     name = script_args.dataset_name
+    if getattr(script_args, "dataset_streaming", False):
+        raise NotImplementedError("dataset_streaming: the recipes load the whole dataset; leave it false")
     ext = os.path.splitext(name)[1].lstrip(".")
     if os.path.isfile(name) and ext in ("json", "jsonl", "csv", "parquet"):
         data = datasets.load_dataset("json" if ext == "jsonl" else ext, data_files=name)
@@ -91,6 +58,78 @@ def load_text_dataset(script_args):
                          f"splits: {sorted(data)}")
     test_split = script_args.dataset_test_split
     return data[script_args.dataset_train_split], (data[test_split] if test_split in data else None)
+
+
+@dataclass
+class PromptData:
+    """What a PPO run trains and evaluates on.
+
+    Args:
+        train: the training prompts (a `datasets.Dataset` with "prompt" and any columns the reward takes).
+        held_out: prompts for the evaluation before and after training, or None.
+        check: optional `(prompts, completions, held_out) -> dict` of extra metrics (e.g. a ground-truth check);
+            a dict-valued metric is reported per group.
+        score_fn: optional `(prompts, completions) -> list[float]` logged beside the sample completions.
+        timings: seconds spent preparing, by name (e.g. {"sft_s": 207.0}).
+    """
+
+    train: object
+    held_out: object | None = None
+    check: Callable | None = None
+    score_fn: Callable | None = None
+    timings: dict = field(default_factory=dict)
+
+
+def load_reward_function(spec: str) -> Callable:
+    """The function named by `spec`, "package.module:function"."""
+    module, _, name = (spec or "").partition(":")
+    if not module or not name:
+        raise ValueError(f"reward_function must look like 'package.module:function', got {spec!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def evaluate_completions(model, tokenizer, rows, reward: Callable, max_new_tokens: int, batch_size: int,
+                         check: Callable | None = None) -> dict:
+    """Greedy completions of the held-out `rows`, scored by `reward` (and `check`).
+
+    Args:
+        rows: a `datasets.Dataset` with "prompt"; its other columns (but "input_ids") go to `reward` by name.
+        reward: `(prompts, completions, **columns) -> (N,) tensor` (a PPO trainer's `reward_source`).
+        check: optional `(prompts, completions, rows) -> dict` of extra metrics.
+
+    Returns:
+        {"score": mean score, **check's metrics}; without `check`, when every score is 0 or 1 (a verifiable
+        reward), also "exact_match": the share of completions that scored 1.
+    """
+    from .generation import generate_completions
+
+    prompts = list(rows["prompt"])
+    completions = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size)
+    columns = {name: list(rows[name]) for name in rows.column_names if name not in ("prompt", "input_ids")}
+    scores = reward(prompts, completions, **columns).float()
+    out = {"score": float(scores.mean())}
+    if check is not None:
+        out.update(check(prompts, completions, rows))
+    elif bool(((scores == 0) | (scores == 1)).all()):
+        out["exact_match"] = float((scores == 1).float().mean())
+    return out
+
+
+def kl_summary(log_history: list[dict], target: float | None) -> dict:
+    """The logged KL: final value, mean over the second half of the steps, and (adaptive) the share in target ± 25 %."""
+    logged = [(h["step"], h["objective/kl"]) for h in log_history if "objective/kl" in h]
+    if not logged:
+        return {}
+    last_step = logged[-1][0]
+    second = [kl for step, kl in logged if step > last_step / 2] or [logged[-1][1]]
+    coefs = [h["objective/kl_coef"] for h in log_history if "objective/kl_coef" in h]
+    out = {"final": logged[-1][1], "mean_second_half": sum(second) / len(second), "target": target,
+           "coef_final": coefs[-1] if coefs else None, "logged_steps_second_half": len(second)}
+    if target is not None:
+        inside = [abs(kl / target - 1) <= KL_BAND for kl in second]
+        out["within_25pct_second_half"] = sum(inside) / len(inside)
+        out["mean_second_half_within_25pct"] = abs(out["mean_second_half"] / target - 1) <= KL_BAND
+    return out
 
 
 def write_results(output_dir: str, results: dict) -> str:
@@ -115,3 +154,15 @@ def print_outputs(stage: str, output_dir: str, results: dict) -> None:
     print(f"  results:             {os.path.join(os.path.abspath(output_dir), 'results.json')}")
     for name, path in results.get("plots", {}).items():
         print(f"  plot ({name}): {path}")
+
+
+def print_kl(kl: dict, timings: dict) -> None:
+    """Print `kl_summary`'s figures and the run's timings."""
+    if kl:
+        target = f", target {kl['target']:.3g}" if kl.get("target") else " (fixed coefficient)"
+        share = (f", {kl['within_25pct_second_half']:.0%} of logged steps within ±25 %"
+                 if "within_25pct_second_half" in kl else "")
+        print(f"  KL: final {kl['final']:.3f}, mean over the 2nd half {kl['mean_second_half']:.3f}{target}{share}; "
+              f"β final {kl['coef_final']:.4g}")
+    if timings:
+        print("  seconds: " + ", ".join(f"{name.removesuffix('_s')} {value:.0f}" for name, value in timings.items()))

@@ -21,7 +21,8 @@ import os
 from dataclasses import dataclass, field
 
 from hf_rlhf import ModelConfig, RewardConfig, RewardTrainer
-from hf_rlhf.recipe_support import load_text_dataset, parse_recipe_args, prepare_toy_base, print_outputs, write_results
+from hf_rlhf.recipe_support import load_text_dataset, parse_recipe_args, print_outputs, write_results
+from hf_rlhf.toy.chain import is_toy_run, prepare_toy_base
 
 TOY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "reward_toy.yaml")
 
@@ -73,7 +74,7 @@ def load_reward_base(script_args, model_config, training_args):
 def main(argv: list[str] | None = None) -> dict:
     script_args, model_config, training_args = parse_recipe_args(
         (ScriptArguments, ModelConfig, RewardConfig), argv, TOY_CONFIG)
-    toy = script_args.dataset_name is None
+    toy = is_toy_run(script_args)
     model, tokenizer, start = load_reward_base(script_args, model_config, training_args)
     print(f"[hf_rlhf] reward model starts from: {start}")
 

@@ -17,9 +17,8 @@ import os
 from dataclasses import dataclass, field
 
 from hf_rlhf import ModelConfig, SFTConfig, SFTTrainer
-from hf_rlhf.recipe_support import (
-    load_text_dataset, parse_recipe_args, prepare_toy_base, print_outputs, write_results,
-)
+from hf_rlhf.recipe_support import load_text_dataset, parse_recipe_args, print_outputs, write_results
+from hf_rlhf.toy.chain import is_toy_run, prepare_toy_base
 
 TOY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "sft_toy.yaml")
 
@@ -54,7 +53,7 @@ def toy_exact_match(model, tokenizer, rows) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     script_args, model_config, training_args = parse_recipe_args(
         (ScriptArguments, ModelConfig, SFTConfig), argv, TOY_CONFIG)
-    toy = script_args.dataset_name is None
+    toy = is_toy_run(script_args)
 
     if model_config.model_name_or_path is None:
         model, tokenizer = prepare_toy_base(model_config, training_args, script_args.toy_model_size,

@@ -14,3 +14,30 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The toy world's character tokenizer (trained locally, no download)."""
+    from hf_rlhf.toy import build_toy_tokenizer
+
+    return build_toy_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tokenizer):
+    """A tiny toy causal LM (seed 0), shared by a module's tests: tests must not train it."""
+    from hf_rlhf.toy import build_toy_model
+
+    return build_toy_model(tokenizer, "tiny", seed=0)
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path, tokenizer):
+    """A directory holding a tiny toy causal LM (seed 5) and its tokenizer, as the SFT recipe would leave it."""
+    from hf_rlhf.toy import build_toy_model
+
+    path = tmp_path / "sft"
+    build_toy_model(tokenizer, "tiny", seed=5).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 
 from transformers import TrainerCallback
 
+from ..generation import generate_completions
+
 
 def _write_line(text: str) -> None:
     # tqdm.write keeps an active progress bar intact; tqdm comes with transformers
@@ -66,8 +68,6 @@ class SampleCompletionsCallback(TrainerCallback):
         if self._last_step == state.global_step:  # e.g. the end falls on a sampling step
             return
         self._last_step = state.global_step
-        from ..toy.tasks import generate_completions  # generic greedy, left-padded batch generation
-
         policy = getattr(model, "policy", model)
         completions = generate_completions(policy, processing_class, self.prompts, self.max_new_tokens)
         if not state.is_world_process_zero:  # a ZeRO-3 rank that only took part in the gathers

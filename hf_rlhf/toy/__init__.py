@@ -5,7 +5,6 @@ from .models import build_toy_model, build_toy_reward_model, toy_model_config
 from .tasks import (
     answer_for_prompt,
     exact_match,
-    generate_completions,
     is_correct,
     make_tasks,
     preference_dataset,
@@ -21,7 +20,6 @@ __all__ = [
     "build_toy_reward_model",
     "build_toy_tokenizer",
     "exact_match",
-    "generate_completions",
     "is_correct",
     "make_tasks",
     "preference_dataset",

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+pytestmark = [pytest.mark.distributed, pytest.mark.integration, pytest.mark.slow]  # every test launches 2 processes
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "worker.py"

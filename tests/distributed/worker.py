@@ -105,16 +105,12 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
 
 def run_recipe(name: str, out: str, recipe_argv: list[str], writes: list[str]) -> None:
     """`recipes/<name>.py`'s main(recipe_argv), then this rank's recorded writes into `out/rank<r>.json`."""
-    import importlib.util
+    import importlib
 
     from accelerate import PartialState
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    results = module.main(recipe_argv)
+    # the launcher puts the repository root on PYTHONPATH (test_distributed.launch_env): recipes/ is a package there
+    results = importlib.import_module(f"recipes.{name}").main(recipe_argv)
     state = PartialState()
     state.wait_for_everyone()
     recorded = sorted(set(writes))

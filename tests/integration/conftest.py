@@ -1,13 +1,6 @@
-"""Fixtures shared by the integration tests: the toy tokenizer and a few toy prompts."""
+"""Fixtures shared by the integration tests (the toy tokenizer and tiny models come from tests/conftest.py)."""
 
 import pytest
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from hf_rlhf.toy import build_toy_tokenizer
-
-    return build_toy_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,15 @@
-"""recipes/ppo.py end to end at a tiny size: builds a missing SFT policy, trains on the verifiable reward, writes
-results.json and the curves PNG. No accuracy is asserted (a few steps of a tiny model)."""
+"""recipes/ppo.py end to end at a tiny size: builds a missing SFT policy (recipes/sft.py in a subprocess), trains on
+the verifiable reward, writes results.json and the curves PNG. No accuracy is asserted (a few steps of a tiny model)."""
 
-import importlib.util
 import json
 import os
-import sys
+from types import SimpleNamespace
 
 import pytest
 import yaml
+
+from hf_rlhf.toy.chain import ToyChainArguments
+from recipes import ppo as recipe
 
 pytestmark = pytest.mark.integration
 
@@ -20,15 +22,6 @@ def _one_thread(one_thread):
     """Every test here on one torch thread (tests/conftest.py)."""
 
 
-@pytest.fixture(scope="module")
-def recipe():
-    spec = importlib.util.spec_from_file_location("recipe_ppo", os.path.join(ROOT, "recipes", "ppo.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def tiny_sft_config(tmp_path):
     with open(os.path.join(ROOT, "recipes", "configs", "sft_toy.yaml")) as f:
         config = yaml.safe_load(f)
@@ -39,7 +32,8 @@ def tiny_sft_config(tmp_path):
     return str(path)
 
 
-def test_toy_recipe_builds_the_policy_trains_and_reports(recipe, tmp_path, capsys):
+@pytest.mark.slow
+def test_toy_recipe_builds_the_policy_trains_and_reports(tmp_path, capsys):
     out, sft = tmp_path / "ppo", tmp_path / "sft"
     argv = ["--config", os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml"), "--output_dir", str(out),
             "--sft_model_path", str(sft), "--sft_config", tiny_sft_config(tmp_path), "--reward_source", "function",
@@ -61,8 +55,8 @@ def test_toy_recipe_builds_the_policy_trains_and_reports(recipe, tmp_path, capsy
     kl = written["kl"]
     assert {"final", "mean_second_half", "target", "coef_final", "within_25pct_second_half"} <= set(kl)
     assert kl["target"] == pytest.approx(recipe.parse_recipe_args(
-        (recipe.ScriptArguments, recipe.ModelConfig, recipe.PPOConfig),
-        ["--config", recipe.TOY_CONFIG], "unused")[2].kl_target)
+        (recipe.ScriptArguments, ToyChainArguments, recipe.ModelConfig, recipe.PPOConfig),
+        ["--config", recipe.TOY_CONFIG], "unused")[-1].kl_target)
     assert set(written["timings"]) >= {"sft_s", "ppo_s", "eval_s"}
 
     png = written["plots"]["curves"]
@@ -79,25 +73,32 @@ def test_toy_recipe_builds_the_policy_trains_and_reports(recipe, tmp_path, capsy
     assert "[hf_rlhf] PPO finished" in printed and f"plot (curves): {png}" in printed and "KL: final" in printed
 
 
-def test_reward_model_source_needs_a_model_when_building_is_off(recipe, tmp_path):
+def test_the_policy_needs_a_model_when_building_is_off(tmp_path):
     argv = ["--config", os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml"), "--output_dir",
             str(tmp_path / "ppo"), "--sft_model_path", str(tmp_path / "none"), "--build_missing", "false"]
     with pytest.raises(FileNotFoundError, match="no sft model at .*none; run recipes/sft.py first"):
         recipe.main(argv)
 
 
-def test_single_process_build_uses_every_core_then_restores_threads(recipe, monkeypatch):
-    import torch
+def test_a_real_run_needs_a_policy_and_a_reward_model(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+2="}\n')
+    argv = ["--dataset_name", str(data), "--output_dir", str(tmp_path / "ppo")]
+    with pytest.raises(ValueError, match="--model_name_or_path"):
+        recipe.main(argv)
+    with pytest.raises(ValueError, match="--reward_model_path"):
+        recipe.main([*argv, "--model_name_or_path", "some/policy"])
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    before = torch.get_num_threads()  # 1: tests/conftest.py pins one thread, as accelerate launch does
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with recipe._build_threads():
-        assert torch.get_num_threads() == cores
-    assert torch.get_num_threads() == before
 
-    # under a multi-process launch every rank keeps the launcher's threads (no oversubscription)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with recipe._build_threads():
-        assert torch.get_num_threads() == before
-    assert torch.get_num_threads() == before
+def test_callbacks_for_a_fixed_and_an_adaptive_kl_coefficient():
+    from hf_rlhf.callbacks import PlotCallback, SampleCompletionsCallback
+    from hf_rlhf.recipe_support import PromptData
+
+    script_args = SimpleNamespace(sample_prompts=2, sample_every=0, plot=True)
+    data = PromptData(train=None, held_out={"prompt": ["1+2=", "3+4=", "5+6="]})
+    for target, band in ((None, None), (2.0, (1.5, 2.5))):
+        callbacks = recipe.build_callbacks(script_args, SimpleNamespace(kl_target=target, response_length=4), data)
+        plot = next(c for c in callbacks if isinstance(c, PlotCallback))
+        assert (plot.bands or {}).get("objective/kl") == band
+        samples = next(c for c in callbacks if isinstance(c, SampleCompletionsCallback))
+        assert samples.prompts == ["1+2=", "3+4="]

@@ -1,15 +1,13 @@
 """recipes/reward.py end to end at a tiny size: from a fresh toy model, on top of an SFT model, and with LoRA."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 from transformers import AutoModelForSequenceClassification
 
 from hf_rlhf.reward_models import load_reward_stats
-from hf_rlhf.toy import build_toy_model, build_toy_tokenizer
+from recipes import reward as recipe
 
 pytestmark = pytest.mark.integration
 
@@ -18,16 +16,7 @@ TINY = ["--toy_train_size", "64", "--toy_test_size", "32", "--toy_model_size", "
         "--per_device_train_batch_size", "16", "--logging_steps", "1", "--disable_tqdm", "true"]
 
 
-@pytest.fixture(scope="module")
-def recipe():
-    spec = importlib.util.spec_from_file_location("recipe_reward", os.path.join(ROOT, "recipes", "reward.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def run(recipe, tmp_path, *extra, config="reward_toy.yaml"):
+def run(tmp_path, *extra, config="reward_toy.yaml"):
     out = str(tmp_path / "out")
     argv = ["--config", os.path.join(ROOT, "recipes", "configs", config), "--output_dir", out, *TINY, *extra]
     results = recipe.main(argv)
@@ -36,8 +25,8 @@ def run(recipe, tmp_path, *extra, config="reward_toy.yaml"):
     return results, out
 
 
-def test_from_a_fresh_toy_model(recipe, tmp_path):
-    results, out = run(recipe, tmp_path, "--sft_model_path", str(tmp_path / "no-sft-here"))
+def test_from_a_fresh_toy_model(tmp_path):
+    results, out = run(tmp_path, "--sft_model_path", str(tmp_path / "no-sft-here"))
     assert results["start"].startswith("new toy model")
     for when in ("before", "after"):
         assert 0.0 <= results[when]["accuracy"] <= 1.0
@@ -46,18 +35,15 @@ def test_from_a_fresh_toy_model(recipe, tmp_path):
     AutoModelForSequenceClassification.from_pretrained(out)
 
 
-def test_on_top_of_an_sft_model(recipe, tmp_path):
-    sft_dir = str(tmp_path / "sft")
-    tokenizer = build_toy_tokenizer()
-    build_toy_model(tokenizer, "tiny", seed=5).save_pretrained(sft_dir)
-    tokenizer.save_pretrained(sft_dir)
-    results, out = run(recipe, tmp_path, "--sft_model_path", sft_dir)
+def test_on_top_of_an_sft_model(tmp_path, tiny_model_dir, tokenizer):
+    sft_dir = str(tiny_model_dir)
+    results, out = run(tmp_path, "--sft_model_path", sft_dir)
     assert results["start"] == f"SFT model {sft_dir}"
     model = AutoModelForSequenceClassification.from_pretrained(out)
     assert model.config.num_labels == 1 and model.config.pad_token_id == tokenizer.pad_token_id
 
 
-def test_lora_config(recipe, tmp_path):
-    results, out = run(recipe, tmp_path, "--sft_model_path", str(tmp_path / "none"), config="reward_toy_lora.yaml")
+def test_lora_config(tmp_path):
+    results, out = run(tmp_path, "--sft_model_path", str(tmp_path / "none"), config="reward_toy_lora.yaml")
     assert os.path.isfile(os.path.join(out, "adapter_model.safetensors"))
     assert load_reward_stats(out) is not None

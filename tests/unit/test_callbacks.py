@@ -152,10 +152,9 @@ class Wrapper(torch.nn.Module):  # like PPO's PolicyAndValue: the LM is `.policy
         self.policy = policy
 
 
-def test_sample_completions_print_score_and_append_jsonl(args, capsys):
-    from hf_rlhf.toy import build_toy_tokenizer, reward_fn
+def test_sample_completions_print_score_and_append_jsonl(args, capsys, tokenizer):
+    from hf_rlhf.toy import reward_fn
 
-    tokenizer = build_toy_tokenizer()
     callback = SampleCompletionsCallback(["2+2=", "1+1="], every_n_steps=5, max_new_tokens=4, score_fn=reward_fn)
     model = Wrapper(EchoPolicy(tokenizer))
     control = TrainerControl()
@@ -172,10 +171,7 @@ def test_sample_completions_print_score_and_append_jsonl(args, capsys):
     assert "sample completions at step 5" in out and "1+1= -> '4'  (score 0)" in out
 
 
-def test_sample_completions_only_on_the_main_process(args, tmp_path):
-    from hf_rlhf.toy import build_toy_tokenizer
-
-    tokenizer = build_toy_tokenizer()
+def test_sample_completions_only_on_the_main_process(args, tmp_path, tokenizer):
     state = fake_state(step=0)
     state.is_world_process_zero = False
     callback = SampleCompletionsCallback(["2+2="], filename=None)

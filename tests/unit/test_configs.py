@@ -2,15 +2,14 @@
 
 import dataclasses
 import glob
-import importlib.util
 import os
-import sys
 
 import pytest
 import yaml
 
 from hf_rlhf import ModelConfig, SFTConfig
 from hf_rlhf.recipe_support import parse_recipe_args
+from recipes import sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -80,16 +79,8 @@ def test_every_sft_recipe_yaml_loads(path):
     with open(path) as f:
         assert isinstance(yaml.safe_load(f), dict)
     script_args, model_config, args = parse_recipe_args(
-        (load_recipe("sft").ScriptArguments, ModelConfig, SFTConfig), ["--config", path], "unused")
+        (sft.ScriptArguments, ModelConfig, SFTConfig), ["--config", path], "unused")
     assert args.output_dir
-
-
-def load_recipe(name):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", os.path.join(ROOT, "recipes", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_toy_yaml_supplies_defaults_unless_a_real_run_is_asked_for(tmp_path):

@@ -1,43 +1,36 @@
 """Every recipes/configs/ppo_*.yaml loads into the PPO recipe's dataclasses, and the toy config is self-consistent."""
 
 import glob
-import importlib.util
 import os
-import sys
 
 import pytest
 import yaml
 
 from hf_rlhf import ModelConfig, PPOConfig
 from hf_rlhf.recipe_support import parse_recipe_args
+from hf_rlhf.toy.chain import ToyChainArguments
+from recipes import ppo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PPO_YAMLS = sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "ppo_*.yaml")))
 
 
-def load_recipe(name):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", os.path.join(ROOT, "recipes", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
 def parse(path, *extra):
-    return parse_recipe_args((load_recipe("ppo").ScriptArguments, ModelConfig, PPOConfig),
+    """(script options, toy chain options, ModelConfig, PPOConfig) as recipes/ppo.py parses them."""
+    return parse_recipe_args((ppo.ScriptArguments, ToyChainArguments, ModelConfig, PPOConfig),
                              ["--config", path, *extra], "unused")
 
 
 def test_there_is_a_toy_config_and_it_is_the_default():
     assert os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml") in PPO_YAMLS
-    assert load_recipe("ppo").TOY_CONFIG.endswith("ppo_toy.yaml")
+    assert ppo.TOY_CONFIG.endswith("ppo_toy.yaml")
 
 
 @pytest.mark.parametrize("path", PPO_YAMLS, ids=os.path.basename)
 def test_every_ppo_recipe_yaml_loads(path):
     with open(path) as f:
         assert isinstance(yaml.safe_load(f), dict)
-    script_args, model_config, args = parse(path)
+    script_args, _, model_config, args = parse(path)
     assert args.output_dir and isinstance(args, PPOConfig) and isinstance(model_config, ModelConfig)
     assert script_args.reward_source in ("model", "function")
     assert args.rollout_batch_size % (args.per_device_train_batch_size * args.gradient_accumulation_steps) == 0
@@ -46,18 +39,18 @@ def test_every_ppo_recipe_yaml_loads(path):
 
 
 def test_toy_config_fits_the_toy_task():
-    script_args, model_config, args = parse(os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml"))
+    script_args, toy_args, model_config, args = parse(os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml"))
     assert script_args.dataset_name is None and model_config.model_name_or_path is None  # the toy task
     assert 6 <= args.response_length <= 12  # answers are <= 5 characters + eos
     assert args.kl_target is not None  # the adaptive controller, as the KL acceptance criterion asks
     # one log per rollout: the logged KL is one rollout's KL, not an average over several
     assert args.logging_steps == args.steps_per_rollout
-    assert script_args.toy_train_size >= args.rollout_batch_size * args.max_steps // args.steps_per_rollout
+    assert toy_args.toy_train_size >= args.rollout_batch_size * args.max_steps // args.steps_per_rollout
 
 
 def test_command_line_wins_and_unknown_options_fail():
     path = os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml")
-    script_args, _, args = parse(path, "--reward_source", "function", "--kl_coef", "0.2")
+    script_args, _, _, args = parse(path, "--reward_source", "function", "--kl_coef", "0.2")
     assert script_args.reward_source == "function" and args.kl_coef == 0.2
     with pytest.raises(ValueError, match="reward_sorce"):
         parse(path, "--reward_sorce", "function")

@@ -1,26 +1,17 @@
 """RewardConfig: device defaults, TRL option names, validation, and every reward recipe YAML loads."""
 
 import glob
-import importlib.util
 import os
-import sys
 
 import pytest
 import yaml
 
 from hf_rlhf import ModelConfig, RewardConfig
 from hf_rlhf.recipe_support import parse_recipe_args
+from recipes import reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REWARD_YAMLS = sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "reward_*.yaml")))
-
-
-def load_recipe(name):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", os.path.join(ROOT, "recipes", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_cpu_defaults_turn_off_bf16_and_checkpointing(tmp_path):
@@ -60,7 +51,7 @@ def test_unknown_option_on_the_command_line_is_an_error():
 def test_there_are_toy_lora_qlora_and_real_model_configs():
     names = {os.path.basename(p) for p in REWARD_YAMLS}
     assert {"reward_toy.yaml", "reward_toy_lora.yaml", "reward_toy_qlora.yaml"} <= names
-    assert load_recipe("reward").TOY_CONFIG.endswith("reward_toy.yaml")
+    assert reward.TOY_CONFIG.endswith("reward_toy.yaml")
 
 
 @pytest.mark.parametrize("path", REWARD_YAMLS, ids=os.path.basename)
@@ -68,7 +59,7 @@ def test_every_reward_recipe_yaml_loads(path):
     with open(path) as f:
         assert isinstance(yaml.safe_load(f), dict)
     script_args, model_config, args = parse_recipe_args(
-        (load_recipe("reward").ScriptArguments, ModelConfig, RewardConfig), ["--config", path], "unused")
+        (reward.ScriptArguments, ModelConfig, RewardConfig), ["--config", path], "unused")
     assert args.output_dir and isinstance(args, RewardConfig) and isinstance(model_config, ModelConfig)
     if model_config.load_in_4bit:
         assert model_config.use_peft

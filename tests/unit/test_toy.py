@@ -1,6 +1,8 @@
 """The toy world: tasks, evaluator, tokenizer and tiny models."""
 
+import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +13,6 @@ from hf_rlhf.toy import (
     build_toy_reward_model,
     build_toy_tokenizer,
     exact_match,
-    generate_completions,
     is_correct,
     make_tasks,
     preference_dataset,
@@ -20,17 +21,10 @@ from hf_rlhf.toy import (
     sft_dataset,
     toy_model_config,
 )
+from hf_rlhf.toy.chain import (
+    ToyChainArguments, build_environment, build_threads, build_with_recipe, check_answers, is_toy_run, toy_chain,
+)
 from hf_rlhf.toy.tasks import FAMILIES, slip_answer, task_of, wrong_answer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_toy_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tiny(tok):
-    return build_toy_model(tok, "tiny", seed=0)
 
 
 # ---- tasks -------------------------------------------------------------------------------------
@@ -51,20 +45,20 @@ def test_splits_are_disjoint_and_cover_all_families():
         make_tasks(1, split="valid")
 
 
-def test_answer_for_prompt_agrees_with_make_tasks(tok):
+def test_answer_for_prompt_agrees_with_make_tasks(tokenizer):
     for r in make_tasks(300, seed=1) + make_tasks(100, seed=1, split="test"):
         assert answer_for_prompt(r["prompt"]) == r["answer"]
         assert task_of(r["prompt"]) == r["task"]
         conv = [{"role": "user", "content": r["prompt"]}]
         assert answer_for_prompt(conv) == r["answer"]
         # a prompt decoded from a rendered chat still yields its answer
-        assert answer_for_prompt(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)) == r["answer"]
+        assert answer_for_prompt(tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)) == r["answer"]
 
 
-def test_prompts_and_answers_are_short(tok):
+def test_prompts_and_answers_are_short(tokenizer):
     rows = make_tasks(500)
-    assert max(len(tok(r["prompt"])["input_ids"]) for r in rows) < 40
-    assert max(len(tok(r["answer"], add_special_tokens=False)["input_ids"]) for r in rows) <= 5
+    assert max(len(tokenizer(r["prompt"])["input_ids"]) for r in rows) < 40
+    assert max(len(tokenizer(r["answer"], add_special_tokens=False)["input_ids"]) for r in rows) <= 5
 
 
 @pytest.mark.parametrize(
@@ -153,95 +147,154 @@ def test_dataset_formats():
 # ---- tokenizer ---------------------------------------------------------------------------------
 
 
-def test_tokenizer_special_tokens_and_digits(tok):
-    ids = [tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id]
+def test_tokenizer_special_tokens_and_digits(tokenizer):
+    ids = [tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id]
     assert len(set(ids)) == 4 and None not in ids
-    assert tok.padding_side == "right" and tok.model_max_length == 256 and len(tok) < 300
+    assert tokenizer.padding_side == "right" and tokenizer.model_max_length == 256 and len(tokenizer) < 300
     for d in "0123456789":
-        assert len(tok(d, add_special_tokens=False)["input_ids"]) == 1
-    assert tok("12+34=")["input_ids"][0] == tok.bos_token_id
-    assert tok.decode(tok("max 7 12=")["input_ids"], skip_special_tokens=True) == "max 7 12="
+        assert len(tokenizer(d, add_special_tokens=False)["input_ids"]) == 1
+    assert tokenizer("12+34=")["input_ids"][0] == tokenizer.bos_token_id
+    assert tokenizer.decode(tokenizer("max 7 12=")["input_ids"], skip_special_tokens=True) == "max 7 12="
     # prompt + completion tokenizes as prompt tokens followed by completion tokens
     for r in make_tasks(50):
-        joint = tok(r["prompt"] + r["answer"])["input_ids"]
-        assert joint == tok(r["prompt"])["input_ids"] + tok(r["answer"], add_special_tokens=False)["input_ids"]
+        joint = tokenizer(r["prompt"] + r["answer"])["input_ids"]
+        assert joint == tokenizer(r["prompt"])["input_ids"] + tokenizer(r["answer"], add_special_tokens=False)["input_ids"]
 
 
-def test_chat_template_assistant_mask(tok):
+def test_chat_template_assistant_mask(tokenizer):
     msgs = [{"role": "user", "content": "37+45="}, {"role": "assistant", "content": "82"}]
-    out = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    out = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ids, mask = out["input_ids"], out["assistant_masks"]
     masked = [i for i, m in zip(ids, mask) if m]
-    assert masked == tok("82", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert masked == tokenizer("82", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert mask[-len(masked) :] == [1] * len(masked) and sum(mask) == len(masked)
-    assert ids[0] == tok.bos_token_id
-    gen = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+    assert ids[0] == tokenizer.bos_token_id
+    gen = tokenizer.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
     assert gen == "<|bos|><|user|>37+45=<|assistant|>"
-    assert tok.apply_chat_template(msgs, tokenize=False) == gen + "82<|eos|>"
+    assert tokenizer.apply_chat_template(msgs, tokenize=False) == gen + "82<|eos|>"
 
 
-def test_tokenizer_save_and_reload(tok, tmp_path):
+def test_tokenizer_save_and_reload(tokenizer, tmp_path):
     from transformers import AutoTokenizer
 
     saved = build_toy_tokenizer(str(tmp_path))
     for loaded in (AutoTokenizer.from_pretrained(tmp_path), build_toy_tokenizer(str(tmp_path))):
-        assert loaded.chat_template == tok.chat_template
-        assert loaded.pad_token_id == tok.pad_token_id and loaded.padding_side == "right"
+        assert loaded.chat_template == tokenizer.chat_template
+        assert loaded.pad_token_id == tokenizer.pad_token_id and loaded.padding_side == "right"
         texts = ["reverse abc=cba", "7+8=15 é", "<|user|>x<|assistant|>"]
-        assert loaded(texts)["input_ids"] == saved(texts)["input_ids"] == tok(texts)["input_ids"]
+        assert loaded(texts)["input_ids"] == saved(texts)["input_ids"] == tokenizer(texts)["input_ids"]
 
 
 # ---- models ------------------------------------------------------------------------------------
 
 
-def test_config_matches_tokenizer(tok):
+def test_config_matches_tokenizer(tokenizer):
     for size in ("tiny", "small"):
-        cfg = toy_model_config(tok, size)
-        assert cfg.vocab_size == len(tok) and cfg.max_position_embeddings >= 256
+        cfg = toy_model_config(tokenizer, size)
+        assert cfg.vocab_size == len(tokenizer) and cfg.max_position_embeddings >= 256
         assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (
-            tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+            tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     with pytest.raises(ValueError):
-        toy_model_config(tok, "huge")
+        toy_model_config(tokenizer, "huge")
 
 
-def test_model_forward_backward_and_seed(tok, tiny):
-    batch = tok(["12+34=46", "sort cab=abc"], return_tensors="pt", padding=True)
-    out = tiny(**batch, labels=batch["input_ids"])
-    assert out.logits.shape == (2, batch["input_ids"].shape[1], len(tok))
+def test_model_forward_backward_and_seed(tokenizer, tiny_model):
+    batch = tokenizer(["12+34=46", "sort cab=abc"], return_tensors="pt", padding=True)
+    out = tiny_model(**batch, labels=batch["input_ids"])
+    assert out.logits.shape == (2, batch["input_ids"].shape[1], len(tokenizer))
     out.loss.backward()
-    assert tiny.dtype == torch.float32
-    same, other = build_toy_model(tok, seed=0), build_toy_model(tok, seed=1)
-    sd, sd1 = tiny.state_dict(), other.state_dict()
+    assert tiny_model.dtype == torch.float32
+    same, other = build_toy_model(tokenizer, seed=0), build_toy_model(tokenizer, seed=1)
+    sd, sd1 = tiny_model.state_dict(), other.state_dict()
     assert all(torch.equal(v, same.state_dict()[k]) for k, v in sd.items())
     assert not torch.equal(sd["model.embed_tokens.weight"], sd1["model.embed_tokens.weight"])
-    tiny.zero_grad(set_to_none=True)
+    tiny_model.zero_grad(set_to_none=True)
 
 
-def test_reward_model(tok):
-    rm = build_toy_reward_model(tok, seed=0)
-    assert rm.config.num_labels == 1 and rm.config.pad_token_id == tok.pad_token_id
-    batch = tok(["1+1=2", "12+34=46"], return_tensors="pt", padding=True)
+def test_reward_model(tokenizer):
+    rm = build_toy_reward_model(tokenizer, seed=0)
+    assert rm.config.num_labels == 1 and rm.config.pad_token_id == tokenizer.pad_token_id
+    batch = tokenizer(["1+1=2", "12+34=46"], return_tensors="pt", padding=True)
     scores = rm(**batch).logits
     assert scores.shape == (2, 1)
     # right padding must not change the score of the shorter row
-    alone = rm(**tok(["1+1=2"], return_tensors="pt")).logits
+    alone = rm(**tokenizer(["1+1=2"], return_tensors="pt")).logits
     torch.testing.assert_close(scores[0], alone[0])
 
 
-def test_generate_completions_batched_equals_one_at_a_time(tok, tiny):
-    prompts = [r["prompt"] for r in make_tasks(6, seed=5, split="test")]
-    batched = generate_completions(tiny, tok, prompts, max_new_tokens=6, batch_size=6)
-    single = [generate_completions(tiny, tok, [p], max_new_tokens=6, batch_size=1)[0] for p in prompts]
-    assert batched == single
-    assert tok.padding_side == "right" and not any("<|" in c for c in batched)
-    conv = [[{"role": "user", "content": p}] for p in prompts[:3]]
-    conv_batched = generate_completions(tiny, tok, conv, max_new_tokens=4, batch_size=3)
-    assert conv_batched == [generate_completions(tiny, tok, [c], 4, 1)[0] for c in conv]
-
-
-def test_exact_match_is_a_fraction(tok, tiny):
-    acc = exact_match(tiny, tok, prompt_dataset(16, split="test"), batch_size=8)
+def test_exact_match_is_a_fraction(tokenizer, tiny_model):
+    acc = exact_match(tiny_model, tokenizer, prompt_dataset(16, split="test"), batch_size=8)
     assert isinstance(acc, float) and 0.0 <= acc <= 1.0
     rows = make_tasks(8, split="test", families=["add"])
-    assert 0.0 <= exact_match(tiny, tok, [{"prompt": r["prompt"]} for r in rows]) <= 1.0
-    assert 0.0 <= exact_match(tiny, tok, prompt_dataset(4, conversational=True)) <= 1.0
+    assert 0.0 <= exact_match(tiny_model, tokenizer, [{"prompt": r["prompt"]} for r in rows]) <= 1.0
+    assert 0.0 <= exact_match(tiny_model, tokenizer, prompt_dataset(4, conversational=True)) <= 1.0
+
+
+# ---- the toy chain (hf_rlhf.toy.chain) ----------------------------------------------------------
+
+
+def test_is_toy_run_means_no_dataset():
+    assert is_toy_run(SimpleNamespace(dataset_name=None)) and is_toy_run(SimpleNamespace())
+    assert not is_toy_run(SimpleNamespace(dataset_name="my/prompts"))
+
+
+def test_check_answers_per_task_family():
+    rows = prompt_dataset(30, seed=4, split="test")
+    prompts, answers = list(rows["prompt"]), list(rows["answer"])
+    completions = [a if i % 3 else "wrong" for i, a in enumerate(answers)]  # every third one wrong
+    out = check_answers(prompts, completions, rows)
+    assert out["exact_match"] == pytest.approx(20 / 30)
+    for task, share in out["exact_match_by_task"].items():
+        mine = [i for i, p in enumerate(prompts) if task_of(p) == task]
+        assert share == pytest.approx(sum(1 for i in mine if i % 3) / len(mine))
+
+
+def test_build_threads_are_the_free_cores():
+    assert [build_threads(2, load) for load in (0.0, 0.4, 0.6, 1.4, 7.0)] == [2, 2, 1, 1, 1]
+    assert build_threads(16, 3.2) == 13 and build_threads(4, -1.0) == 4
+
+
+def test_build_environment_gives_a_single_process_build_the_free_cores(monkeypatch):
+    launched = {"OMP_NUM_THREADS": "1", "PATH": "/bin", "ACCELERATE_MIXED_PRECISION": "no"}
+    assert build_environment(launched, threads=3) == {**launched, "OMP_NUM_THREADS": "3"}
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr("os.getloadavg", lambda: (0.3, 0.3, 0.3))
+    assert build_environment(launched) == {**launched, "OMP_NUM_THREADS": "2"}
+    monkeypatch.setattr("os.getloadavg", lambda: (5.0, 5.0, 5.0))
+    assert build_environment(launched) == launched  # a busy machine: one thread
+    # under a multi-process launch the child keeps the launcher's threads and leaves its process group
+    ranked = {**launched, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert build_environment(ranked, threads=2) == launched
+
+
+def test_build_with_recipe_runs_a_subprocess_and_reports_failure(tmp_path, monkeypatch):
+    script = tmp_path / "recipe.py"
+    script.write_text("import json, os, sys\n"
+                      "json.dump({'argv': sys.argv[1:], 'omp': os.environ.get('OMP_NUM_THREADS')}, open(sys.argv[2], 'w'))\n"
+                      "sys.exit(3 if sys.argv[1] == 'fail' else 0)\n")
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr("os.getloadavg", lambda: (9.0, 9.0, 9.0))  # a busy machine: the child gets one thread
+    build_with_recipe(str(script), ["ok", str(tmp_path / "seen.json")])
+    assert json.loads((tmp_path / "seen.json").read_text()) == {"argv": ["ok", str(tmp_path / "seen.json")],
+                                                               "omp": "1"}
+    build_with_recipe(str(script), ["ok", str(tmp_path / "seen.json")], threads=2)  # pinned
+    assert json.loads((tmp_path / "seen.json").read_text())["omp"] == "2"
+    with pytest.raises(RuntimeError, match="exit 3"):
+        build_with_recipe(str(script), ["fail", str(tmp_path / "seen.json")])
+
+
+def test_toy_chain_uses_models_it_finds(tmp_path, tiny_model_dir, capsys):
+    script_args = SimpleNamespace(reward_source="function", reward_model_path=None)
+    toy_args = ToyChainArguments(sft_model_path=str(tiny_model_dir), toy_train_size=12, toy_test_size=5, toy_seed=1)
+    model_config = SimpleNamespace(model_name_or_path=None)
+    data = toy_chain(script_args, toy_args, model_config, str(tmp_path / "no-recipes-needed"))
+    assert model_config.model_name_or_path == str(tiny_model_dir) and data.timings == {}
+    assert len(data.train) == 12 and len(data.held_out) == 5 and data.held_out["prompt"] == list(
+        prompt_dataset(5, seed=1, split="test")["prompt"])
+    assert data.check is check_answers and data.score_fn is reward_fn
+    assert f"sft model: {tiny_model_dir} (found)" in capsys.readouterr().out
+    # the reward model is a prerequisite only for reward_source=model, and is not built when building is off
+    with pytest.raises(FileNotFoundError, match="no reward model at .*none; run recipes/reward.py first"):
+        toy_chain(SimpleNamespace(reward_source="model", reward_model_path=str(tmp_path / "none")),
+                  ToyChainArguments(sft_model_path=str(tiny_model_dir), build_missing=False), model_config, "")

@@ -1,0 +1,200 @@
+"""The toy chain behind the recipes' no-argument runs: SFT -> reward model -> PPO on the embedded toy task.
+
+The recipes call three things here: `is_toy_run` (the one place that decides it), `prepare_toy_base` (a fresh toy
+model for the SFT and reward recipes) and `toy_chain` (the PPO recipe's prompts, ground-truth check, and its
+prerequisites: a missing SFT policy or reward model is built first by running that recipe in a subprocess).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..recipe_support import PromptData
+from .tasks import prompt_dataset, reward_fn, task_of
+
+# a child started from a rank of a multi-process launch must not join that launch's process group
+DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                   "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@dataclass
+class ToyChainArguments:
+    """Options of the toy chain (used only when no `dataset_name` is given)."""
+
+    sft_model_path: str = field(
+        default="outputs/sft", metadata={"help": "Toy task: the policy to start from (the SFT recipe's output); "
+                                                 "built with recipes/sft.py when missing and build_missing is set."})
+    build_missing: bool = field(
+        default=True, metadata={"help": "Toy task: build a missing SFT / reward model with its recipe first."})
+    sft_config: str | None = field(
+        default=None, metadata={"help": "Toy task: the config the SFT model is built with "
+                                        "(None: recipes/configs/sft_toy.yaml)."})
+    reward_config: str | None = field(
+        default=None, metadata={"help": "Toy task: the config the reward model is built with "
+                                        "(None: recipes/configs/reward_toy.yaml)."})
+    toy_train_size: int = field(default=4096, metadata={"help": "Toy task: training prompts."})
+    toy_test_size: int = field(default=400, metadata={"help": "Toy task: held-out prompts for evaluation."})
+    toy_seed: int = field(default=0, metadata={"help": "Seed of the toy prompts."})
+    build_threads: int | None = field(
+        default=None, metadata={"help": "Toy task: torch threads of a single-process build (None: the cores the "
+                                        "machine has free). The built model depends on it, as float sums do."})
+
+
+def is_toy_run(script_args) -> bool:
+    """True when a recipe runs on the embedded toy task: no `dataset_name` was given."""
+    return getattr(script_args, "dataset_name", None) is None
+
+
+def check_answers(prompts: list, completions: list[str], rows) -> dict:
+    """Ground-truth exact match of `completions`, overall and per task family.
+
+    Returns:
+        {"exact_match": float, "exact_match_by_task": {family: float}}.
+    """
+    correct = reward_fn(prompts, completions, list(rows["answer"]))
+    by_task: dict[str, list[float]] = {}
+    for prompt, ok in zip(prompts, correct):
+        by_task.setdefault(task_of(prompt), []).append(ok)
+    return {"exact_match": sum(correct) / len(correct),
+            "exact_match_by_task": {task: sum(v) / len(v) for task, v in sorted(by_task.items())}}
+
+
+def toy_chain(script_args, toy_args: ToyChainArguments, model_config, recipes_dir: str) -> PromptData:
+    """The PPO recipe's toy task: its prerequisites built, the policy path set, its prompts and checks.
+
+    Args:
+        script_args: the PPO recipe's options (`reward_source`, `reward_model_path`).
+        toy_args: the toy chain's options.
+        model_config: `model_name_or_path` is set to the SFT policy unless given.
+        recipes_dir: the directory holding sft.py, reward.py and configs/.
+
+    Returns:
+        `PromptData` with the toy train / held-out prompts, the ground-truth check, the verifiable reward for
+        logged samples, and the build timings ({"sft_s", "reward_s"} for what was built).
+    """
+    timings: dict[str, float] = {}
+    needed = []
+    if model_config.model_name_or_path is None:
+        config = toy_args.sft_config or os.path.join(recipes_dir, "configs", "sft_toy.yaml")
+        needed.append(("sft", toy_args.sft_model_path, config, []))
+        model_config.model_name_or_path = toy_args.sft_model_path
+    if script_args.reward_source == "model":
+        config = toy_args.reward_config or os.path.join(recipes_dir, "configs", "reward_toy.yaml")
+        needed.append(("reward", script_args.reward_model_path, config,
+                       ["--sft_model_path", toy_args.sft_model_path]))
+    for name, path, config, extra in needed:
+        if is_model_dir(path):
+            print(f"[hf_rlhf] {name} model: {path} (found)")
+            continue
+        if not toy_args.build_missing:
+            raise FileNotFoundError(f"no {name} model at {path}; run recipes/{name}.py first or set build_missing")
+        print(f"[hf_rlhf] {name} model: {path} is missing; building it now with recipes/{name}.py "
+              f"--config {os.path.relpath(config)}", flush=True)
+        start = time.perf_counter()
+        build_with_recipe(os.path.join(recipes_dir, f"{name}.py"), ["--config", config, "--output_dir", path, *extra],
+                          threads=toy_args.build_threads)
+        timings[f"{name}_s"] = round(time.perf_counter() - start, 1)
+        print(f"[hf_rlhf] {name} model built in {timings[f'{name}_s']:.0f} s")
+    return PromptData(
+        train=prompt_dataset(toy_args.toy_train_size, seed=toy_args.toy_seed, split="train"),
+        held_out=prompt_dataset(toy_args.toy_test_size, seed=toy_args.toy_seed, split="test"),
+        check=check_answers, score_fn=reward_fn, timings=timings)
+
+
+def is_model_dir(path: str) -> bool:
+    """A directory holding a saved model or a LoRA adapter."""
+    return os.path.isfile(os.path.join(path, "config.json")) or os.path.isfile(
+        os.path.join(path, "adapter_config.json"))
+
+
+def build_threads(cores: int, load: float) -> int:
+    """Threads for a single-process build: the cores no other runnable process holds, at least one.
+
+    Args:
+        cores: the cores this process may run on.
+        load: the machine's 1-minute load average (runnable processes).
+    """
+    return max(1, min(cores, cores - round(load)))
+
+
+def build_environment(environ: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
+    """The environment of a single-process recipe run started from this process.
+
+    `accelerate launch` sets OMP_NUM_THREADS=1 in every process it starts, a single one included. On a free 2-core
+    machine the SFT build (packed batches of 8 x 128 tokens) runs about 1.5x faster on both cores (304 s -> 207 s
+    measured), so a single-process launch's child gets `threads`, by default every free core (`build_threads`). On a
+    busy machine a second thread only waits for a core (a 40-step SFT run took 3 min 39 s on 2 threads, about 1 min
+    on 1, at a load of 7), and under a multi-process launch the other ranks hold the cores: the child keeps the
+    launcher's threads. Variables of a launch's process group are removed: the child is a run of its own.
+    """
+    env = dict(os.environ if environ is None else environ)
+    if int(env.get("WORLD_SIZE", "1")) == 1:
+        if threads is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            threads = build_threads(cores, os.getloadavg()[0])
+        env["OMP_NUM_THREADS"] = str(threads)
+    for name in DISTRIBUTED_ENV:
+        env.pop(name, None)
+    return env
+
+
+def build_with_recipe(script: str, argv: list[str], threads: int | None = None) -> None:
+    """Run the recipe `script` with `argv` in a single-process subprocess (on the main process of a launch only).
+
+    Args:
+        threads: torch threads of the child (`build_environment`).
+
+    Raises:
+        RuntimeError: the recipe exited with a non-zero status.
+    """
+    from accelerate import PartialState
+
+    state = PartialState()
+    with state.main_process_first():  # the other ranks wait, then find the model built
+        if state.is_main_process:
+            done = subprocess.run([sys.executable, script, *argv], env=build_environment(threads=threads))
+            if done.returncode != 0:
+                raise RuntimeError(f"building a toy prerequisite failed (exit {done.returncode}): "
+                                   f"{sys.executable} {script} {' '.join(argv)}")
+
+
+def prepare_toy_base(model_config, training_args, size: str, seed: int, reward: bool = False):
+    """Build the toy tokenizer and a freshly initialised toy model.
+
+    The base is saved under `<output_dir>/base` and `model_config.model_name_or_path` points there, so
+    that a LoRA adapter records a base it can be reloaded from, and QLoRA loads that base in 4 bit
+    through the ordinary `from_pretrained` path.
+
+    Returns:
+        (model, tokenizer).
+    """
+    from ..models import load_model
+    from .models import build_toy_model, build_toy_reward_model
+    from .tokenizer import build_toy_tokenizer
+
+    tokenizer = build_toy_tokenizer()
+    model = (build_toy_reward_model if reward else build_toy_model)(tokenizer, size=size, seed=seed)
+    if not model_config.use_peft:
+        return model, tokenizer
+    base_dir = os.path.join(training_args.output_dir, "base")
+    if training_args.process_index == 0:
+        model.save_pretrained(base_dir)
+        tokenizer.save_pretrained(base_dir)
+    if training_args.world_size > 1:
+        from accelerate import PartialState
+
+        PartialState().wait_for_everyone()
+    model_config.model_name_or_path = base_dir
+    if model_config.load_in_4bit or model_config.load_in_8bit:
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
+        model = load_model(model_config, cls, **({"num_labels": 1} if reward else {}))
+    else:
+        model.config._name_or_path = base_dir
+        model.name_or_path = base_dir
+    return model, tokenizer
