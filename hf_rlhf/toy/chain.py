@@ -40,8 +40,8 @@ class ToyChainArguments:
     toy_test_size: int = field(default=400, metadata={"help": "Toy task: held-out prompts for evaluation."})
     toy_seed: int = field(default=0, metadata={"help": "Seed of the toy prompts."})
     build_threads: int | None = field(
-        default=None, metadata={"help": "Toy task: torch threads of a single-process build (None: the cores the "
-                                        "machine has free). The built model depends on it, as float sums do."})
+        default=None, metadata={"help": "Toy task: torch threads of a single-process build (None: every core). The "
+                                        "built model depends on it, as float sums do."})
 
 
 def is_toy_run(script_args) -> bool:
@@ -111,31 +111,20 @@ def is_model_dir(path: str) -> bool:
         os.path.join(path, "adapter_config.json"))
 
 
-def build_threads(cores: int, load: float) -> int:
-    """Threads for a single-process build: the cores no other runnable process holds, at least one.
-
-    Args:
-        cores: the cores this process may run on.
-        load: the machine's 1-minute load average (runnable processes).
-    """
-    return max(1, min(cores, cores - round(load)))
-
-
 def build_environment(environ: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
     """The environment of a single-process recipe run started from this process.
 
     `accelerate launch` sets OMP_NUM_THREADS=1 in every process it starts, a single one included. On a free 2-core
     machine the SFT build (packed batches of 8 x 128 tokens) runs about 1.5x faster on both cores (304 s -> 207 s
-    measured), so a single-process launch's child gets `threads`, by default every free core (`build_threads`). On a
-    busy machine a second thread only waits for a core (a 40-step SFT run took 3 min 39 s on 2 threads, about 1 min
-    on 1, at a load of 7), and under a multi-process launch the other ranks hold the cores: the child keeps the
+    measured), so a single-process launch's child gets `threads`, by default every core this process may run on: not
+    the cores free at the moment, since the built model depends on the thread count (float sums) and must not depend
+    on the machine's load. Under a multi-process launch the other ranks hold the cores: the child keeps the
     launcher's threads. Variables of a launch's process group are removed: the child is a run of its own.
     """
     env = dict(os.environ if environ is None else environ)
     if int(env.get("WORLD_SIZE", "1")) == 1:
         if threads is None:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-            threads = build_threads(cores, os.getloadavg()[0])
+            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         env["OMP_NUM_THREADS"] = str(threads)
     for name in DISTRIBUTED_ENV:
         env.pop(name, None)

@@ -22,7 +22,7 @@ from hf_rlhf.toy import (
     toy_model_config,
 )
 from hf_rlhf.toy.chain import (
-    ToyChainArguments, build_environment, build_threads, build_with_recipe, check_answers, is_toy_run, toy_chain,
+    ToyChainArguments, build_environment, build_with_recipe, check_answers, is_toy_run, toy_chain,
 )
 from hf_rlhf.toy.tasks import FAMILIES, slip_answer, task_of, wrong_answer
 
@@ -249,19 +249,13 @@ def test_check_answers_per_task_family():
         assert share == pytest.approx(sum(1 for i in mine if i % 3) / len(mine))
 
 
-def test_build_threads_are_the_free_cores():
-    assert [build_threads(2, load) for load in (0.0, 0.4, 0.6, 1.4, 7.0)] == [2, 2, 1, 1, 1]
-    assert build_threads(16, 3.2) == 13 and build_threads(4, -1.0) == 4
-
-
-def test_build_environment_gives_a_single_process_build_the_free_cores(monkeypatch):
+def test_build_environment_gives_a_single_process_build_every_core_whatever_the_load(monkeypatch):
     launched = {"OMP_NUM_THREADS": "1", "PATH": "/bin", "ACCELERATE_MIXED_PRECISION": "no"}
     assert build_environment(launched, threads=3) == {**launched, "OMP_NUM_THREADS": "3"}
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr("os.getloadavg", lambda: (0.3, 0.3, 0.3))
-    assert build_environment(launched) == {**launched, "OMP_NUM_THREADS": "2"}
-    monkeypatch.setattr("os.getloadavg", lambda: (5.0, 5.0, 5.0))
-    assert build_environment(launched) == launched  # a busy machine: one thread
+    for load in (0.3, 5.0):  # the built model depends on the threads, never on the machine's load
+        monkeypatch.setattr("os.getloadavg", lambda load=load: (load, load, load))
+        assert build_environment(launched) == {**launched, "OMP_NUM_THREADS": "2"}
     # under a multi-process launch the child keeps the launcher's threads and leaves its process group
     ranked = {**launched, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
     assert build_environment(ranked, threads=2) == launched
@@ -274,10 +268,10 @@ def test_build_with_recipe_runs_a_subprocess_and_reports_failure(tmp_path, monke
                       "sys.exit(3 if sys.argv[1] == 'fail' else 0)\n")
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr("os.getloadavg", lambda: (9.0, 9.0, 9.0))  # a busy machine: the child gets one thread
-    build_with_recipe(str(script), ["ok", str(tmp_path / "seen.json")])
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    build_with_recipe(str(script), ["ok", str(tmp_path / "seen.json")])  # every core, not the launcher's 7
     assert json.loads((tmp_path / "seen.json").read_text()) == {"argv": ["ok", str(tmp_path / "seen.json")],
-                                                               "omp": "1"}
+                                                               "omp": "3"}
     build_with_recipe(str(script), ["ok", str(tmp_path / "seen.json")], threads=2)  # pinned
     assert json.loads((tmp_path / "seen.json").read_text())["omp"] == "2"
     with pytest.raises(RuntimeError, match="exit 3"):
