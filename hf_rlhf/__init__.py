@@ -5,8 +5,9 @@ Names are imported lazily, so `import hf_rlhf` stays cheap and never imports an 
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .imports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -23,16 +24,7 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hf_rlhf' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 
 # module name -> the hf-rlhf extra that installs it
 _EXTRAS = {
@@ -31,3 +32,25 @@ def require(module: str, feature: str):
         extra = _EXTRAS.get(module)
         hint = f"pip install 'hf-rlhf[{extra}]'" if extra else f"pip install {module}"
         raise ImportError(f"{feature} needs the optional package '{module}': {hint}") from err
+
+
+def lazy_exports(package: str, table: dict[str, str]):
+    """`(__getattr__, __dir__)` for a package whose public names load on first use.
+
+    Args:
+        package: the package's `__name__`.
+        table: public name -> the module that defines it, absolute or relative to `package` (".rollout").
+
+    Usage, in the package's `__init__.py`: `__getattr__, __dir__ = lazy_exports(__name__, _LAZY)`.
+    """
+
+    def __getattr__(name: str):
+        if name in table:
+            module = table[name]
+            return getattr(importlib.import_module(package + module if module.startswith(".") else module), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__():
+        return sorted(set(vars(sys.modules[package])) | set(table))
+
+    return __getattr__, __dir__

@@ -18,6 +18,7 @@ Loop pieces (import transformers / trl / datasets / peft):
 The reward sources PPO scores with are `hf_rlhf.rewards`.
 """
 
+from ..imports import lazy_exports
 from .advantages import gae, per_token_rewards
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from .losses import policy_loss, value_loss
@@ -38,21 +39,18 @@ __all__ = [
 # The loop pieces import transformers / trl / datasets / peft, so they load on first use: `import hf_rlhf.ppo.kl`
 # (or the math above) must stay torch-only.
 _LAZY = {
-    "PPOConfig": "config",
-    "Experience": "experience",
-    "PolicyAndValue": "policy_value",
-    "RolloutMaker": "rollout",
-    "ExperienceLoader": "loader",
-    "prepare_prompt_dataset": "loader",
-    "ValueAdapter": "value_adapter",
-    "KLControllerCallback": "callbacks",
-    "RewardStatsCallback": "callbacks",
-    "EpochFromStepCallback": "callbacks",
+    "PPOConfig": ".config",
+    "Experience": ".experience",
+    "PolicyAndValue": ".policy_value",
+    "RolloutMaker": ".rollout",
+    "ExperienceLoader": ".loader",
+    "prepare_prompt_dataset": ".loader",
+    "ValueAdapter": ".value_adapter",
+    "KLControllerCallback": ".callbacks",
+    "RewardStatsCallback": ".callbacks",
+    "EpochFromStepCallback": ".callbacks",
 }
 __all__ += sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(__import__(f"{__name__}.{_LAZY[name]}", fromlist=[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

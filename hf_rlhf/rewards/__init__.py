@@ -13,36 +13,30 @@ Names load on first use: `import hf_rlhf.rewards` imports none of transformers, 
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from ..imports import lazy_exports
+
 _LAZY = {
-    "RewardError": "base",
-    "check_scores": "base",
-    "completion_text": "base",
-    "FunctionReward": "base",
-    "TokenizedReward": "base",
-    "ModelReward": "model",
-    "load_reward_model": "model",
-    "reward_model_kind": "model",
-    "RewardAdapter": "adapter",
-    "AdapterReward": "adapter",
-    "attach_reward_adapter": "adapter",
-    "HTTPReward": "http_client",
-    "RewardServer": "server",
-    "build_reward_source": "factory",
+    "RewardError": ".base",
+    "check_scores": ".base",
+    "completion_text": ".base",
+    "FunctionReward": ".base",
+    "TokenizedReward": ".base",
+    "ModelReward": ".model",
+    "load_reward_model": ".model",
+    "reward_model_kind": ".model",
+    "RewardAdapter": ".adapter",
+    "AdapterReward": ".adapter",
+    "attach_reward_adapter": ".adapter",
+    "HTTPReward": ".http_client",
+    "RewardServer": ".server",
+    "build_reward_source": ".factory",
 }
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 if TYPE_CHECKING:  # pragma: no cover
