@@ -2,15 +2,15 @@
 
 What it adds to `Trainer`: model setup (a hub id / path, a ready model, LoRA or QLoRA through peft and
 bitsandbytes, or a ready `PeftModel`), dataset validation and tokenization (`hf_rlhf.data`), the right
-collator (padded, packed rows, or padding-free), `use_cache=False` for packed batches, and two logged
-metrics: `mean_token_accuracy` and real (non-pad) `tokens_per_second`. Everything else — optimizers,
-schedulers, accumulation, checkpoints, DeepSpeed — is the Trainer's own.
+collator (padded, packed rows, or padding-free), `use_cache=False` for packed batches, and TRL 1.16's logged
+metrics, in train and eval logs: `entropy` (mean entropy of the predicted next-token distribution over the loss
+tokens), `mean_token_accuracy` and `num_tokens` (real, non-pad input tokens trained on so far). Everything
+else — optimizers, schedulers, accumulation, checkpoints, DeepSpeed — is the Trainer's own.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -19,6 +19,7 @@ from ..configs import ModelConfig, SFTConfig
 from ..data import ensure_pad_token, main_process_first_if_cached, prepare_sft_dataset, resolve_chat_template
 from ..models import resolve_model
 from .base import BaseTrainer
+from .metrics import real_token_count
 
 logger = logging.getLogger("hf_rlhf")
 
@@ -36,6 +37,23 @@ def token_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[t
     target = labels[..., 1:]
     mask = target != -100
     return ((pred == target) & mask).sum(), mask.sum()
+
+
+def token_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed entropy of the predicted next-token distributions at the positions that take a loss.
+
+    As `trl.SFTTrainer` 1.16's `entropy` metric (its fused LM head's per-token entropy, summed over the tokens
+    whose shifted label is not -100); divide by `token_accuracy_counts`'s total for the mean.
+
+    Args:
+        logits: (B, T, V) causal LM logits.
+        labels: (B, T) with -100 where no loss is taken.
+    Returns:
+        0-dim float tensor: Σ over those positions of H(softmax(logits)) = logsumexp(l) − Σ softmax(l)·l.
+    """
+    picked = logits[..., :-1, :][labels[..., 1:] != -100].float()  # (N, V)
+    log_probs = torch.log_softmax(picked, dim=-1)
+    return -(log_probs.exp() * log_probs).sum()
 
 
 def is_packed_batch(inputs: dict) -> bool:
@@ -94,8 +112,7 @@ class SFTTrainer(BaseTrainer):
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, data_collator=data_collator, callbacks=callbacks,
                          **kwargs)
-        self._num_tokens = 0
-        self._last_log = time.perf_counter()
+        self._num_tokens = 0  # real tokens trained on so far (TRL's `num_tokens`)
 
     # -- setup ---------------------------------------------------------------------------------
     @staticmethod
@@ -141,27 +158,22 @@ class SFTTrainer(BaseTrainer):
             inputs = {**inputs, "use_cache": False}
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
+        mode = "train" if model.training else "eval"
         if "labels" in inputs and getattr(outputs, "logits", None) is not None:
             with torch.no_grad():
                 correct, total = token_accuracy_counts(outputs.logits, inputs["labels"])
-            metrics = self.metrics["train" if model.training else "eval"]
+                entropy = token_entropy_sum(outputs.logits, inputs["labels"])
+            metrics = self.metrics[mode]
+            metrics.add("entropy", entropy, total)
             metrics.add("mean_token_accuracy", correct, total)
-            real = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
-            metrics.add("num_tokens", real, 0)
+        if mode == "train":
+            self.metrics[mode].add("num_tokens", real_token_count(inputs), 0)
         return (loss, outputs) if return_outputs else loss
 
     def logged_metrics(self, mode: str, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
-        """Token accuracy; for training also the real (non-pad) tokens seen so far and their rate since the last log."""
+        """Token means (entropy, accuracy), and the running total of real tokens trained on (eval logs too, as TRL)."""
+        if mode == "train":
+            self._num_tokens += totals.get("num_tokens", (0.0, 0.0))[0]
         logs = super().logged_metrics(mode, {k: v for k, v in totals.items() if k != "num_tokens"})
-        tokens = totals.get("num_tokens", (0.0, 0.0))[0]
-        if mode == "train" and tokens > 0:
-            now = time.perf_counter()
-            self._num_tokens += tokens
-            logs["num_tokens"] = self._num_tokens
-            logs["tokens_per_second"] = tokens / max(now - self._last_log, 1e-9)
-            self._last_log = now
+        logs["num_tokens"] = float(self._num_tokens)
         return logs
-
-    def train(self, *args, **kwargs):
-        self._last_log = time.perf_counter()
-        return super().train(*args, **kwargs)
