@@ -56,6 +56,29 @@ def token_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return -(log_probs.exp() * log_probs).sum()
 
 
+def packed_real_token_count(input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                            pad_token_id: int | None) -> torch.Tensor:
+    """Real tokens of a packed batch: every token but the dummy sequence `PackingCollator` pads each row with.
+
+    The padding is each row's last sequence (from its last `position_ids == 0`) when that sequence is all pad
+    tokens with label -100; a real document always has a label past its first token (untrainable rows are dropped
+    when the dataset is prepared).
+
+    Args:
+        input_ids, position_ids, labels: (B, T) packed rows (a flattened row is (1, N)).
+        pad_token_id: the collator's pad id (None: 0, as `PackingCollator`).
+    Returns:
+        0-dim long tensor.
+    """
+    pad_token_id = 0 if pad_token_id is None else pad_token_id
+    width = input_ids.shape[-1]
+    columns = torch.arange(width, device=input_ids.device)
+    last_start = torch.where(position_ids == 0, columns, -1).max(dim=-1, keepdim=True).values  # (B, 1)
+    in_last = columns >= last_start
+    is_padding = (((input_ids == pad_token_id) & (labels == -100)) | ~in_last).all(dim=-1)  # (B,)
+    return input_ids.numel() - ((width - last_start.squeeze(-1)) * is_padding).sum()
+
+
 def is_packed_batch(inputs: dict) -> bool:
     """A padding-free batch: restarted `position_ids` and no attention mask."""
     return "position_ids" in inputs and "attention_mask" not in inputs
@@ -167,7 +190,12 @@ class SFTTrainer(BaseTrainer):
             metrics.add("entropy", entropy, total)
             metrics.add("mean_token_accuracy", correct, total)
         if mode == "train":
-            self.metrics[mode].add("num_tokens", real_token_count(inputs), 0)
+            if is_packed_batch(inputs) and "labels" in inputs:
+                real = packed_real_token_count(inputs["input_ids"], inputs["position_ids"], inputs["labels"],
+                                               getattr(self.data_collator, "pad_token_id", None))
+            else:
+                real = real_token_count(inputs)
+            self.metrics[mode].add("num_tokens", real, 0)
         return (loss, outputs) if return_outputs else loss
 
     def logged_metrics(self, mode: str, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
