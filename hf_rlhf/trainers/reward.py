@@ -24,6 +24,7 @@ from transformers import AutoModelForSequenceClassification
 from ..collators import PairwiseCollator
 from ..configs import ModelConfig, RewardConfig
 from ..data import ensure_pad_token, main_process_first_if_cached, prepare_preference_dataset
+from ..data.streaming import check_streamed_training, is_streamed
 from ..losses import pairwise_metric_sums, pairwise_reward_loss
 from ..models import resolve_model
 from ..reward_models import (
@@ -53,7 +54,9 @@ class RewardTrainer(BaseTrainer):
             `model_config`), a sequence-classification `PreTrainedModel`, a `ValueHeadModel`, or a `PeftModel`.
         args: a `RewardConfig`.
         train_dataset / eval_dataset: preference rows in any supported format (see `hf_rlhf.data.preference`),
-            or tokenized rows (`chosen_ids`, `rejected_ids`); eval: also a dict of them.
+            or tokenized rows (`chosen_ids`, `rejected_ids`), as a `datasets.Dataset` or a streamed
+            `datasets.IterableDataset` (validated and tokenized row by row as it streams; training on a stream
+            needs `max_steps`); eval: also a dict of them.
         processing_class: the tokenizer. Default: loaded from the model's path.
         peft_config: a `peft.LoraConfig`; default: built from `model_config` when `use_peft` is set.
         model_config: how to load `model` when it is a string, and the LoRA / QLoRA options.
@@ -125,8 +128,12 @@ class RewardTrainer(BaseTrainer):
     def _prepare(dataset, tokenizer, args, name):
         if dataset is None:
             return None
+        if name == "train":
+            check_streamed_training(args, dataset)
         with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
             prepared, stats = prepare_preference_dataset(dataset, tokenizer, args, return_stats=True)
+        if stats is None:  # streamed: prepared lazily, nothing counted yet
+            return prepared
         logger.info("%s dataset: %d pairs (%d over max_length truncated, %d dropped)", name, len(prepared),
                     stats["n_truncated"], stats["n_dropped"])
         return prepared
@@ -197,7 +204,9 @@ class RewardTrainer(BaseTrainer):
         """
         if dataset is None:
             dataset, n = self.train_dataset, self.args.reward_stats_num_samples
-            if n is not None and n < len(dataset):
+            if is_streamed(dataset):  # the first n pairs of the stream (all of it when n is None)
+                dataset = dataset.take(n) if n is not None else dataset
+            elif n is not None and n < len(dataset):
                 dataset = dataset.shuffle(seed=self.args.seed).select(range(n))
         else:
             dataset = self._prepare(dataset, self.processing_class, self.args, "reward_stats")

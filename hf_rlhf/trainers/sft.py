@@ -17,6 +17,7 @@ import torch
 from ..collators import PackingCollator, PaddingCollator
 from ..configs import ModelConfig, SFTConfig
 from ..data import ensure_pad_token, main_process_first_if_cached, prepare_sft_dataset, resolve_chat_template
+from ..data.streaming import check_streamed_training, first_rows, is_streamed, stream_columns
 from ..models import resolve_model
 from .base import BaseTrainer
 from .metrics import real_token_count
@@ -91,7 +92,9 @@ class SFTTrainer(BaseTrainer):
         model: a hub id or local path (loaded with `model_config`), a `PreTrainedModel`, or a `PeftModel`.
         args: an `SFTConfig`.
         train_dataset / eval_dataset: raw rows in any supported format, or already tokenized rows
-            (with `input_ids`), as a `datasets.Dataset` (eval: also a dict of them).
+            (with `input_ids`), as a `datasets.Dataset` or a streamed `datasets.IterableDataset` (eval: also a dict
+            of them). A streamed train set needs `max_steps`; it is tokenized, validated row by row and (with
+            `packing`) packed on the fly as it streams (`hf_rlhf.data.streaming`).
         processing_class: the tokenizer. Default: loaded from the model's path.
         peft_config: a `peft.LoraConfig`; default: built from `model_config` when `use_peft` is set.
         model_config: how to load `model` when it is a string, and the LoRA / QLoRA options.
@@ -142,19 +145,26 @@ class SFTTrainer(BaseTrainer):
     def _prepare(dataset, tokenizer, args, name):
         if dataset is None:
             return None
-        if "input_ids" in dataset.column_names:
+        if name == "train":
+            check_streamed_training(args, dataset)
+        streamed = is_streamed(dataset)
+        columns = stream_columns(dataset, first_rows(dataset)[0]) if streamed else dataset.column_names
+        if "input_ids" in columns:
             prepared = dataset
         else:
             with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
                 prepared = prepare_sft_dataset(dataset, tokenizer, args)
-            logger.info("%s dataset: %d rows tokenized", name, len(prepared))
+            if not streamed:
+                logger.info("%s dataset: %d rows tokenized", name, len(prepared))
         if args.packing:
             from trl.data_utils import pack_dataset
 
-            n_before = len(prepared)
-            prepared = pack_dataset(prepared, args.max_length, strategy=args.packing_strategy)
-            logger.info("%s dataset: %d examples packed into %d rows of <= %d tokens",
-                        name, n_before, len(prepared), args.max_length)
+            # a stream is packed on the fly, as TRL's: best-fit decreasing within each window of 1000 examples
+            packed = pack_dataset(prepared, args.max_length, strategy=args.packing_strategy)
+            if not streamed:
+                logger.info("%s dataset: %d examples packed into %d rows of <= %d tokens",
+                            name, len(prepared), len(packed), args.max_length)
+            prepared = packed
         return prepared
 
     @staticmethod
