@@ -282,13 +282,13 @@ def build_hf_rlhf(name: str, model_dir: str, prompts: list[dict], group: dict, o
     peft_config = lora() if GROUPS[name] == "memory" else None
     trainer = PPOTrainer(policy, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
                          value_model=value, reward_processing_class=tokenizer, peft_config=peft_config)
-    module, source = trainer.model, trainer.rollout_maker.reward_source
+    module, source = trainer.model, trainer.reward_source
     models = {"policy": module.policy, "reference": trainer.ref_model, "value": module.value_model,
               "value_head": module.value_head, "reward": getattr(source, "model", None),
               "reward_head": getattr(source, "head", None)}
     models = {role: model for role, model in models.items() if model is not None}
     timer.install({role: backbone(model) for role, model in models.items() if "head" not in role})
-    trainer.rollout_maker.reward_source = timer.timed("forward/reward/no_grad", source)
+    trainer.reward_source = timer.timed("forward/reward/no_grad", source)  # compute_rewards reads it per rollout
     return trainer, models
 
 

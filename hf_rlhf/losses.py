@@ -6,9 +6,6 @@ import torch
 import torch.nn.functional as F
 
 # order of the values `pairwise_metric_sums` returns (before the final count)
-PAIRWISE_METRICS = ("accuracy", "margin", "reward_chosen", "reward_rejected")
-
-
 def pairwise_reward_loss(
     chosen_rewards: torch.Tensor,
     rejected_rewards: torch.Tensor,
@@ -44,7 +41,8 @@ def pairwise_reward_loss(
 
 
 def pairwise_metric_sums(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:
-    """Sums over a batch of the metrics in `PAIRWISE_METRICS`, then the number of pairs.
+    """Sums over a batch of the pairwise metrics (correct pairs, margin, chosen and rejected rewards), then the
+    number of pairs.
 
     Sums (not means) so that batches of different sizes, and processes, add up exactly; divide by the
     last entry. A tie counts as wrong, as in TRL.
@@ -64,11 +62,3 @@ def pairwise_metric_sums(chosen_rewards: torch.Tensor, rejected_rewards: torch.T
         rejected.sum(),
         torch.tensor(float(chosen.numel()), device=chosen.device),
     ])
-
-
-def pairwise_metrics_from_sums(sums: torch.Tensor) -> dict[str, float]:
-    """{"accuracy", "margin", "reward_chosen", "reward_rejected"} means from (5,) sums; {} when no pair was seen."""
-    count = float(sums[-1])
-    if count == 0:
-        return {}
-    return {name: float(value) / count for name, value in zip(PAIRWISE_METRICS, sums[:-1].tolist())}

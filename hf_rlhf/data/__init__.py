@@ -5,10 +5,12 @@
                      tokenization, the over-long policy
     sft.py           SFT formats and `prepare_sft_dataset`
     preference.py    preference-pair formats and `prepare_preference_dataset`
+    streaming.py     streamed (`IterableDataset`) data: first-row look-ahead, lazy validation and over-long policy
 
 Both entry points take a `DataOptions` (`hf_rlhf.configs`): a trainer config, which is one, or a plain
 `DataOptions(...)`. Every row is validated before anything is tokenized, so a bad row fails in seconds with
-its index and field instead of hours into training.
+its index and field instead of hours into training; a streamed dataset's rows are validated as they stream,
+just before each is tokenized, with the same checks and errors.
 """
 
 from .preference import (

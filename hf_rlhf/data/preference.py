@@ -36,6 +36,7 @@ from .tokenization import (
     special_prefix,
     tokenize_prompt_completion,
 )
+from .streaming import first_rows, is_streamed, stream_columns, stream_length_policy
 from .validation import (
     ABSENT,
     MISSING,
@@ -138,14 +139,26 @@ def validate_preference_dataset(dataset, fmt: str, use_margin: bool = False) -> 
     if fmt not in PREFERENCE_FORMATS:
         raise ValueError(f"unknown preference format {fmt!r}; expected one of {PREFERENCE_FORMATS}")
     checks = _field_checks(fmt, use_margin)
-    pair = ("chosen_ids", "rejected_ids") if fmt == "tokenized" else ("chosen", "rejected")
     check_not_empty(dataset)
     for index, row in iter_rows(dataset, list(checks)):
-        for field, check in checks.items():
-            check(index, field, row[field])
-        if list(row[pair[0]]) == list(row[pair[1]]) if fmt == "tokenized" else row[pair[0]] == row[pair[1]]:
-            raise DataValidationError(index, pair[1], f"a response different from {pair[0]!r} (a pair needs two "
-                                      "different responses)", row[pair[1]])
+        check_preference_row(index, row, fmt, checks)
+
+
+def check_preference_row(index: int, row: dict, fmt: str, checks: dict) -> None:
+    """One row's field checks (`ABSENT` for a missing field), then chosen != rejected.
+
+    Args:
+        index: the row's index, for the error.
+        row: {field: value} for every field of `checks`.
+        fmt: one of `PREFERENCE_FORMATS`.
+        checks: `{field: check}` (`_field_checks`).
+    """
+    for field, check in checks.items():
+        check(index, field, row.get(field, ABSENT))
+    pair = ("chosen_ids", "rejected_ids") if fmt == "tokenized" else ("chosen", "rejected")
+    if list(row[pair[0]]) == list(row[pair[1]]) if fmt == "tokenized" else row[pair[0]] == row[pair[1]]:
+        raise DataValidationError(index, pair[1], f"a response different from {pair[0]!r} (a pair needs two "
+                                  "different responses)", row[pair[1]])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -163,6 +176,7 @@ class _PairTokenizeSpec:
     max_length: int | None
     truncate: bool
     use_margin: bool
+    checks: dict | None = None  # streamed rows: validated here, just before tokenization
 
 
 def _tokenize_side(spec: _PairTokenizeSpec, prompt, response) -> list[int]:
@@ -174,6 +188,8 @@ def _tokenize_side(spec: _PairTokenizeSpec, prompt, response) -> list[int]:
 
 
 def _tokenize_pair(row: dict, index: int, spec: _PairTokenizeSpec) -> dict:
+    if spec.checks is not None:
+        check_preference_row(index, row, spec.fmt, spec.checks)
     if spec.fmt == "tokenized":
         chosen, rejected = list(row["chosen_ids"]), list(row["rejected_ids"])
     else:
@@ -201,7 +217,11 @@ def _resolve_use_margin(use_margin: bool | None, columns: list[str]) -> bool:
 
 
 def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_stats: bool = False):
-    """Detect, validate and tokenize preference pairs (a `Dataset` or a list of dicts; left unchanged).
+    """Detect, validate and tokenize preference pairs (a `Dataset`, a list of dicts or a streamed `IterableDataset`;
+    left unchanged).
+
+    A streamed dataset is prepared lazily (`hf_rlhf.data.streaming`): its format from its first row, each pair
+    validated as it streams, the over-long policy a lazy filter; its stats are None.
 
     Args:
         dataset: rows in one of `PREFERENCE_FORMATS`.
@@ -218,10 +238,13 @@ def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_
     owner = type(options).__name__  # errors name the class the user passed
     check_overlong_policy(opts.overlong_policy)
 
-    # step 1. format and every row, before any tokenization
-    fmt = detect_preference_format(dataset)
-    use_margin = _resolve_use_margin(opts.use_margin, column_names(dataset))
-    validate_preference_dataset(dataset, fmt, use_margin)
+    # step 1. format and every row, before any tokenization (a stream: its first row, then each row as it streams)
+    streamed = is_streamed(dataset)
+    head = first_rows(dataset) if streamed else dataset
+    fmt = detect_preference_format(head)
+    use_margin = _resolve_use_margin(opts.use_margin, column_names(head))
+    if not streamed:
+        validate_preference_dataset(dataset, fmt, use_margin)
 
     # step 2. tokenizer: chat template, or eos and leading special tokens for plain text
     eos_id = prefix = None
@@ -234,7 +257,12 @@ def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_
 
     # step 3. tokenize (and truncate), then apply the overlong policy
     spec = _PairTokenizeSpec(fmt, tokenizer, prefix, eos_id, opts.max_length, opts.overlong_policy == "truncate",
-                             use_margin)
+                             use_margin, _field_checks(fmt, use_margin) if streamed else None)
+    if streamed:  # IterableDataset.map takes no num_proc / desc
+        tokenized = dataset.map(_tokenize_pair, with_indices=True, fn_kwargs={"spec": spec},
+                                remove_columns=stream_columns(dataset, head[0]))
+        tokenized = stream_length_policy(tokenized, opts.max_length, opts.overlong_policy, LENGTH_FIELD)
+        return (tokenized, None) if return_stats else tokenized
     data = as_dataset(dataset)
     tokenized = data.map(
         _tokenize_pair, with_indices=True, fn_kwargs={"spec": spec}, remove_columns=data.column_names,

@@ -27,7 +27,9 @@ from .tokenization import (
     tokenize_prompt_completion,
     with_eos,
 )
+from .streaming import first_rows, is_streamed, stream_columns, stream_length_policy
 from .validation import (
+    ABSENT,
     DataValidationError,
     Verbatim,
     as_dataset,
@@ -76,15 +78,8 @@ def detect_format(dataset, text_field: str = "text") -> str:
     )
 
 
-def validate_sft_dataset(dataset, fmt: str, text_field: str = "text", *, require_assistant: bool = False) -> None:
-    """Check every row of `dataset` against `fmt`; raise `DataValidationError` on the first bad one.
-
-    Args:
-        dataset: a `Dataset` or a list of dict rows.
-        fmt: its format (`detect_format`).
-        text_field: the column of plain-text datasets.
-        require_assistant: every `messages` row needs an assistant message (set for assistant_only_loss).
-    """
+def sft_row_checks(fmt: str, text_field: str = "text", *, require_assistant: bool = False) -> dict:
+    """The `{field: check(row, field, value)}` checks of one row of `fmt` (see `validate_sft_dataset`)."""
     messages = partial(check_messages, require_assistant=require_assistant)
     checks = {
         "text": {text_field: check_text},
@@ -95,7 +90,19 @@ def validate_sft_dataset(dataset, fmt: str, text_field: str = "text", *, require
     }
     if fmt not in checks:
         raise ValueError(f"unknown SFT dataset format {fmt!r}; expected one of {sorted(checks)}")
-    validate_rows(dataset, checks[fmt])
+    return checks[fmt]
+
+
+def validate_sft_dataset(dataset, fmt: str, text_field: str = "text", *, require_assistant: bool = False) -> None:
+    """Check every row of `dataset` against `fmt`; raise `DataValidationError` on the first bad one.
+
+    Args:
+        dataset: a `Dataset` or a list of dict rows.
+        fmt: its format (`detect_format`).
+        text_field: the column of plain-text datasets.
+        require_assistant: every `messages` row needs an assistant message (set for assistant_only_loss).
+    """
+    validate_rows(dataset, sft_row_checks(fmt, text_field, require_assistant=require_assistant))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -115,6 +122,7 @@ class _SFTTokenizeSpec:
     max_length: int | None
     truncate: bool
     loss_masks: tuple[str, ...]  # masks that must keep a 1 after truncation
+    checks: dict | None = None   # streamed rows: validated here, just before tokenization
 
 
 def _tokenize_chat(tokenizer, messages, assistant_only_loss: bool, index: int, field: str) -> dict:
@@ -132,6 +140,8 @@ def _tokenize_chat(tokenizer, messages, assistant_only_loss: bool, index: int, f
 
 def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
     tok = spec.tokenizer
+    for field, check in (spec.checks or {}).items():
+        check(index, field, row.get(field, ABSENT))
     if spec.fmt == "text":
         ids = tok(row[spec.text_field], add_special_tokens=False)["input_ids"]
         out = {"input_ids": with_eos(spec.prefix + ids, spec.eos_id)}
@@ -161,7 +171,11 @@ def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
 
 
 def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: bool = False):
-    """Detect, validate and tokenize an SFT dataset (a `Dataset` or a list of dicts; left unchanged).
+    """Detect, validate and tokenize an SFT dataset (a `Dataset`, a list of dicts or a streamed `IterableDataset`;
+    left unchanged).
+
+    A streamed dataset is prepared lazily (`hf_rlhf.data.streaming`): its format from its first row, each row
+    validated as it streams, the over-long policy a lazy filter; its stats are None.
 
     Args:
         dataset: rows in one of the formats of this module.
@@ -178,11 +192,15 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
     owner = type(options).__name__  # errors name the class the user passed
     check_overlong_policy(opts.overlong_policy)
 
-    # step 1. format and every row, before any tokenization
-    fmt = detect_format(dataset, opts.dataset_text_field)
+    # step 1. format and every row, before any tokenization (a stream: its first row, then each row as it streams)
+    streamed = is_streamed(dataset)
+    head = first_rows(dataset) if streamed else dataset
+    fmt = detect_format(head, opts.dataset_text_field)
     if opts.assistant_only_loss and fmt not in CONVERSATIONAL_FORMATS:
         raise ValueError(f"assistant_only_loss=True needs conversational data; the dataset format is {fmt!r}")
-    validate_sft_dataset(dataset, fmt, opts.dataset_text_field, require_assistant=opts.assistant_only_loss)
+    checks = sft_row_checks(fmt, opts.dataset_text_field, require_assistant=opts.assistant_only_loss)
+    if not streamed:
+        validate_rows(dataset, checks)
 
     # step 2. tokenizer: chat template, eos, default leading special tokens
     resolve_chat_template(tokenizer, opts.chat_template_path)
@@ -198,12 +216,18 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
     loss_masks = (("completion_mask",) if opts.completion_only_loss is not False else ()) + (
         ("assistant_masks",) if opts.assistant_only_loss else ())
     spec = _SFTTokenizeSpec(fmt, tokenizer, opts.dataset_text_field, prefix, eos_id, opts.assistant_only_loss,
-                            opts.max_length, opts.overlong_policy == "truncate", loss_masks)
+                            opts.max_length, opts.overlong_policy == "truncate", loss_masks,
+                            checks if streamed else None)
+    field = {"text": opts.dataset_text_field, "prompt_completion": "prompt+completion",
+             "conversational": "messages", "conversational_prompt_completion": "prompt+completion"}[fmt]
+    if streamed:  # IterableDataset.map takes no num_proc / desc
+        tokenized = dataset.map(_tokenize_sft_row, with_indices=True, fn_kwargs={"spec": spec},
+                                remove_columns=stream_columns(dataset, head[0]))
+        tokenized = stream_length_policy(tokenized, opts.max_length, opts.overlong_policy, field)
+        return (tokenized, None) if return_stats else tokenized
     data = as_dataset(dataset)
     tokenized = data.map(
         _tokenize_sft_row, with_indices=True, fn_kwargs={"spec": spec}, remove_columns=data.column_names,
         num_proc=opts.dataset_num_proc, desc="Tokenizing SFT dataset")
-    field = {"text": opts.dataset_text_field, "prompt_completion": "prompt+completion",
-             "conversational": "messages", "conversational_prompt_completion": "prompt+completion"}[fmt]
     tokenized, stats = apply_length_policy(tokenized, opts.max_length, opts.overlong_policy, field)
     return (tokenized, stats) if return_stats else tokenized

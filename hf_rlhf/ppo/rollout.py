@@ -15,7 +15,7 @@ from trl.models.utils import unwrap_model_for_generation
 from ..adapters import adapter_scope
 from ..collators import LeftPaddingCollator
 from ..reward_models import unwrap_peft
-from ..rewards.base import RewardError
+from ..rewards.base import RewardError, check_scores
 from ..tensors import first_true_indices, logprobs_from_logits, masked_sum, masked_whiten
 from .advantages import gae, per_token_rewards
 from .experience import Experience
@@ -41,14 +41,16 @@ class RolloutMaker:
     Args:
         args: a `PPOConfig`.
         tokenizer: the policy's tokenizer.
-        reward_source: `(prompts, completions, **row_fields) -> (B,)` (see `hf_rlhf.rewards`).
+        compute_rewards: `(prompts, completions, **row_fields) -> (B,)` scores, called once per rollout
+            (`PPOTrainer.compute_rewards`, which a subclass may override; its result is checked by
+            `hf_rlhf.rewards.base.check_scores`).
         accelerator: the Trainer's accelerator (device, gathers across ranks).
         ref_model: a frozen reference model; None when the policy is a `PeftModel` (reference = adapters off).
         reward_stats: {"reward_mean", "reward_std"} for `reward_normalization="model_stats"`.
     """
 
-    def __init__(self, args, tokenizer, reward_source, accelerator, ref_model=None, reward_stats=None):
-        self.args, self.tokenizer, self.reward_source = args, tokenizer, reward_source
+    def __init__(self, args, tokenizer, compute_rewards, accelerator, ref_model=None, reward_stats=None):
+        self.args, self.tokenizer, self.compute_rewards = args, tokenizer, compute_rewards
         self.accelerator, self.ref_model, self.reward_stats = accelerator, ref_model, reward_stats
         self.collator = LeftPaddingCollator(tokenizer.pad_token_id)
         self.stop_token_id = stop_token_id_of(args, tokenizer)
@@ -153,11 +155,12 @@ class RolloutMaker:
 
     def _score(self, prompts, completions, row_fields, row_indices) -> torch.Tensor:
         try:
-            return self.reward_source(prompts, completions, **row_fields)
+            scores = self.compute_rewards(prompts, completions, **row_fields)
         except RewardError as err:
             if err.row is None or row_indices is None:
                 raise
             raise RewardError(f"{err} [dataset row {row_indices[err.row]}]", err.row) from err
+        return check_scores(scores, len(completions), "compute_rewards", prompts, completions)
 
     def _forward(self, model, query_ids, query_mask, response_ids, response_mask):
         args = self.args

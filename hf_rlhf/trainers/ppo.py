@@ -84,6 +84,12 @@ class PPOTrainer(BaseTrainer):
         ptx_dataset: language-modelling data (any SFT format) for `PPOConfig.ptx_coef`.
         callbacks: more `TrainerCallback`s.
 
+    Override points for subclasses:
+        `compute_rewards(prompts, completions, **columns) -> (B,)`: the scores of each rollout batch (default:
+        `self.reward_source(...)`). `trainer.reward_source` may also be replaced after `__init__` (a callable of
+        the same signature); the next rollout uses it. `reward_normalization="model_stats"` keeps the statistics
+        of the reward model given to `__init__`.
+
     One frozen base for all four roles (`hf_rlhf.rewards.adapter`, `hf_rlhf.ppo.value_adapter`;
     reference = adapters off)::
 
@@ -135,7 +141,8 @@ class PPOTrainer(BaseTrainer):
         if isinstance(reward_source, ModelReward):
             reward_source.model = self._prepare_frozen(reward_source.model)
         self.reward_source = reward_source
-        self.rollout_maker = RolloutMaker(args, processing_class, reward_source, self.accelerator, self.ref_model,
+        # through the method, so a subclass's `compute_rewards` and a `reward_source` set later both take effect
+        self.rollout_maker = RolloutMaker(args, processing_class, self.compute_rewards, self.accelerator, self.ref_model,
                                           reward_stats)
         self._loader, self._resume_from = None, None
 
@@ -192,6 +199,24 @@ class PPOTrainer(BaseTrainer):
             get_global_step=lambda: self.state.global_step, get_resume_dir=lambda: self._resume_from,
             device=self.accelerator.device, extra_batch=self._ptx_batch if self.ptx_dataset is not None else None)
         return self._loader
+
+    def compute_rewards(self, prompts: list, completions: list, **columns) -> torch.Tensor:
+        """The scores PPO trains on for one rollout; override in a subclass to score another way.
+
+        Called once per rollout batch on every rank, after generation, with that rank's rows. Default:
+        `self.reward_source(prompts, completions, **columns)` (looked up at each call, so assigning
+        `trainer.reward_source` after `__init__` takes effect).
+
+        Args:
+            prompts: B prompts as in the dataset (strings, or message lists).
+            completions: B decoded completions (strings, or `[{"role": "assistant", "content": ...}]`).
+            columns: the rows' other dataset columns, each a list of B values.
+
+        Returns:
+            (B,) scores (a tensor or a list of numbers; checked finite, one per completion), before
+            `reward_normalization`, the missing-stop penalty and the KL penalty.
+        """
+        return self.reward_source(prompts, completions, **columns)
 
     def _make_experience(self, rows, indices):
         # looked up at each rollout: a checkpoint restore may have replaced these callbacks in the handler

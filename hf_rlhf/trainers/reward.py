@@ -6,10 +6,11 @@ and saved with the adapter), preference-pair validation and tokenization (`hf_rl
 `PairwiseCollator` (padded, padding-free or prefix-shared), and:
 
 - `compute_loss`: one forward over chosen‖rejected (2B sequences), each reward read at its sequence's last
-  real token, then `losses.pairwise_reward_loss` (margin, centering); logs accuracy, margin and the mean
-  chosen / rejected reward.
-- `prediction_step`: returns the rewards as (B, 2) predictions [chosen, rejected] with labels 0 (the index of
-  the preferred column), so `evaluate()` reports `eval_accuracy` and a user's `compute_metrics` sees rewards.
+  real token, then `losses.pairwise_reward_loss` (margin, centering); logs TRL 1.16's metrics in train and
+  eval logs: `accuracy`, `margin` (means over pairs), `min_reward` / `mean_reward` / `max_reward` (over every
+  chosen and rejected reward) and `num_tokens` (real tokens trained on so far, chosen and rejected).
+- `prediction_step`: returns the rewards as TRL's does: (2B, 1) predictions, each batch's chosen rewards then its
+  rejected ones, and no labels (`label_ids == ()`), so a `compute_metrics` written for TRL reads the same arrays.
 - `compute_reward_stats`: mean / std of the rewards over a dataset, stored in the model config for PPO.
 """
 
@@ -23,7 +24,8 @@ from transformers import AutoModelForSequenceClassification
 from ..collators import PairwiseCollator
 from ..configs import ModelConfig, RewardConfig
 from ..data import ensure_pad_token, main_process_first_if_cached, prepare_preference_dataset
-from ..losses import PAIRWISE_METRICS, pairwise_metric_sums, pairwise_metrics_from_sums, pairwise_reward_loss
+from ..data.streaming import check_streamed_training, is_streamed
+from ..losses import pairwise_metric_sums, pairwise_reward_loss
 from ..models import resolve_model
 from ..packing_check import check_packing_exact
 from ..reward_models import (
@@ -38,24 +40,11 @@ from ..reward_models import (
     token_scores,
 )
 from .base import BaseTrainer
+from .metrics import real_token_count
 
 logger = logging.getLogger("hf_rlhf")
 
 _LOSS_ONLY_KEYS = ("margin", "last_token_index")  # batch keys the model does not take
-
-
-def with_pairwise_metrics(compute_metrics=None):
-    """`compute_metrics` for (N, 2) reward predictions: accuracy, margin, mean chosen / rejected reward,
-    updated with the user's own `compute_metrics(eval_pred)` when given."""
-
-    def compute(eval_pred) -> dict:
-        rewards = torch.as_tensor(eval_pred.predictions).reshape(-1, 2)
-        metrics = pairwise_metrics_from_sums(pairwise_metric_sums(rewards[:, 0], rewards[:, 1]))
-        if compute_metrics is not None:
-            metrics.update(compute_metrics(eval_pred))
-        return metrics
-
-    return compute
 
 
 class RewardTrainer(BaseTrainer):
@@ -66,12 +55,18 @@ class RewardTrainer(BaseTrainer):
             `model_config`), a sequence-classification `PreTrainedModel`, a `ValueHeadModel`, or a `PeftModel`.
         args: a `RewardConfig`.
         train_dataset / eval_dataset: preference rows in any supported format (see `hf_rlhf.data.preference`),
-            or tokenized rows (`chosen_ids`, `rejected_ids`); eval: also a dict of them.
+            or tokenized rows (`chosen_ids`, `rejected_ids`), as a `datasets.Dataset` or a streamed
+            `datasets.IterableDataset` (validated and tokenized row by row as it streams; training on a stream
+            needs `max_steps`); eval: also a dict of them.
         processing_class: the tokenizer. Default: loaded from the model's path.
         peft_config: a `peft.LoraConfig`; default: built from `model_config` when `use_peft` is set.
         model_config: how to load `model` when it is a string, and the LoRA / QLoRA options.
-        compute_metrics: extra evaluation metrics from an `EvalPrediction` whose `predictions` are (N, 2)
-            rewards [chosen, rejected]; accuracy, margin and the mean rewards are always reported.
+        compute_metrics: extra evaluation metrics from an `EvalPrediction` shaped as TRL 1.16 gives it:
+            `predictions` (2N, 1), per eval batch of B pairs its B chosen rewards then its B rejected ones;
+            `label_ids` an empty tuple. Accuracy, margin and min / mean / max reward are always reported. As in TRL,
+            when the eval set's size is not a multiple of the eval batch size, accelerate's `gather_for_metrics`
+            keeps only the first rows of the last batch's predictions (it counts pairs, the batch holds 2 rows
+            per pair): the logged eval metrics are exact, `predictions` then lack that batch's last rejected ones.
 
     Example:
         >>> trainer = RewardTrainer("path/to/sft-model", args=RewardConfig(output_dir="rm"),
@@ -115,8 +110,6 @@ class RewardTrainer(BaseTrainer):
                 padding_side=args.padding_side, padding_free=args.padding_free, prefix_sharing=args.prefix_sharing,
                 pad_to_multiple_of=args.pad_to_multiple_of,
                 return_flash_attention_kwargs=args.padding_free and attn.startswith("flash_attention"))
-        if not args.batch_eval_metrics:
-            compute_metrics = with_pairwise_metrics(compute_metrics)
 
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, data_collator=data_collator,
@@ -124,6 +117,7 @@ class RewardTrainer(BaseTrainer):
         self.label_names = []  # no labels: prediction_step makes its own
         self._score_head = find_score_head(self.model)  # after peft: the wrapped head
         self._eager = getattr(reward_config_of(self.model), "_attn_implementation", None) == "eager"
+        self._num_tokens = 0  # real tokens trained on so far (TRL's `num_tokens`)
 
     # -- setup ---------------------------------------------------------------------------------
     @staticmethod
@@ -137,8 +131,12 @@ class RewardTrainer(BaseTrainer):
     def _prepare(dataset, tokenizer, args, name):
         if dataset is None:
             return None
+        if name == "train":
+            check_streamed_training(args, dataset)
         with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
             prepared, stats = prepare_preference_dataset(dataset, tokenizer, args, return_stats=True)
+        if stats is None:  # streamed: prepared lazily, nothing counted yet
+            return prepared
         logger.info("%s dataset: %d pairs (%d over max_length truncated, %d dropped)", name, len(prepared),
                     stats["n_truncated"], stats["n_dropped"])
         return prepared
@@ -162,12 +160,30 @@ class RewardTrainer(BaseTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chosen, rejected = self._rewards(model, inputs)
         loss = pairwise_reward_loss(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient)
-        if model.training:
-            *sums, count = pairwise_metric_sums(chosen, rejected)
-            for name, value in zip(PAIRWISE_METRICS, sums):
-                self.metrics["train"].add(name, value, count)
+        self._add_metrics("train" if model.training else "eval", chosen, rejected, inputs)
         outputs = {"rewards_chosen": chosen, "rewards_rejected": rejected}
         return (loss, outputs) if return_outputs else loss
+
+    def _add_metrics(self, mode: str, chosen: torch.Tensor, rejected: torch.Tensor, inputs: dict) -> None:
+        """TRL's reward metrics of one batch: chosen (B,) and rejected (B,) rewards, the collated batch."""
+        metrics = self.metrics[mode]
+        correct, margin, chosen_sum, rejected_sum, count = pairwise_metric_sums(chosen, rejected)
+        metrics.add("accuracy", correct, count)
+        metrics.add("margin", margin, count)
+        metrics.add("mean_reward", chosen_sum + rejected_sum, 2 * count)
+        rewards = torch.cat([chosen, rejected])
+        metrics.add_min("min_reward", rewards)
+        metrics.add_max("max_reward", rewards)
+        if mode == "train":
+            metrics.add("num_tokens", real_token_count(inputs), 0)
+
+    def logged_metrics(self, mode: str, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
+        """The means and extremes; `num_tokens` is the running total of real tokens trained on (eval logs too)."""
+        if mode == "train":
+            self._num_tokens += totals.get("num_tokens", (0.0, 0.0))[0]
+        logs = super().logged_metrics(mode, {k: v for k, v in totals.items() if k != "num_tokens"})
+        logs["num_tokens"] = float(self._num_tokens)
+        return logs
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -176,8 +192,9 @@ class RewardTrainer(BaseTrainer):
         loss = loss.detach()
         if prediction_loss_only:
             return loss, None, None
-        rewards = torch.stack([outputs["rewards_chosen"], outputs["rewards_rejected"]], dim=1)
-        return loss, rewards, torch.zeros(len(rewards), dtype=torch.long, device=rewards.device)
+        # TRL 1.16's shapes: the model's (2B, 1) logits [chosen; rejected], and no labels (the order is the label)
+        rewards = torch.cat([outputs["rewards_chosen"], outputs["rewards_rejected"]]).unsqueeze(-1)
+        return loss, rewards, ()
 
     # -- reward statistics for PPO -----------------------------------------------------------------
     def compute_reward_stats(self, dataset=None) -> dict[str, float]:
@@ -190,13 +207,30 @@ class RewardTrainer(BaseTrainer):
         """
         if dataset is None:
             dataset, n = self.train_dataset, self.args.reward_stats_num_samples
-            if n is not None and n < len(dataset):
+            if is_streamed(dataset):  # the first n pairs of the stream (all of it when n is None)
+                dataset = dataset.take(n) if n is not None else dataset
+            elif n is not None and n < len(dataset):
                 dataset = dataset.shuffle(seed=self.args.seed).select(range(n))
         else:
             dataset = self._prepare(dataset, self.processing_class, self.args, "reward_stats")
-        rewards = torch.as_tensor(self.predict(dataset, metric_key_prefix="reward_stats").predictions).double()
-        rewards = rewards.reshape(-1)
+        rewards = self._all_rewards(dataset).double().reshape(-1)
         return set_reward_stats(self.accelerator.unwrap_model(self.model), rewards.mean(), rewards.std(correction=0))
+
+    @torch.no_grad()
+    def _all_rewards(self, dataset) -> torch.Tensor:
+        """(N, 2) [chosen, rejected] rewards of every pair of a prepared `dataset`, gathered over ranks.
+
+        Its own loop, not `predict()`: the (2B, 1) predictions TRL's layout asks for lose the last batch's
+        rejected rows in `gather_for_metrics` (it trims by pairs), where (B, 2) rows are trimmed right.
+        """
+        model, was_training = self.model_wrapped, self.model.training
+        model.eval()
+        rows = []
+        for batch in self.get_test_dataloader(dataset):
+            chosen, rejected = self._rewards(model, self._prepare_inputs(batch))
+            rows.append(self.accelerator.gather_for_metrics(torch.stack([chosen, rejected], dim=1)).cpu())
+        model.train(was_training)
+        return torch.cat(rows)
 
     def train(self, *args, **kwargs):
         output = super().train(*args, **kwargs)

@@ -2,24 +2,26 @@
 
 What it adds to `Trainer`: model setup (a hub id / path, a ready model, LoRA or QLoRA through peft and
 bitsandbytes, or a ready `PeftModel`), dataset validation and tokenization (`hf_rlhf.data`), the right
-collator (padded, packed rows, or padding-free), `use_cache=False` for packed batches, and two logged
-metrics: `mean_token_accuracy` and real (non-pad) `tokens_per_second`. Everything else — optimizers,
-schedulers, accumulation, checkpoints, DeepSpeed — is the Trainer's own.
+collator (padded, packed rows, or padding-free), `use_cache=False` for packed batches, and TRL 1.16's logged
+metrics, in train and eval logs: `entropy` (mean entropy of the predicted next-token distribution over the loss
+tokens), `mean_token_accuracy` and `num_tokens` (real, non-pad input tokens trained on so far). Everything
+else — optimizers, schedulers, accumulation, checkpoints, DeepSpeed — is the Trainer's own.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from ..collators import PackingCollator, PaddingCollator
 from ..configs import ModelConfig, SFTConfig
 from ..data import ensure_pad_token, main_process_first_if_cached, prepare_sft_dataset, resolve_chat_template
+from ..data.streaming import check_streamed_training, first_rows, is_streamed, stream_columns
 from ..models import resolve_model
 from ..packing_check import check_packing_exact
 from .base import BaseTrainer
+from .metrics import real_token_count
 
 logger = logging.getLogger("hf_rlhf")
 
@@ -39,6 +41,46 @@ def token_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[t
     return ((pred == target) & mask).sum(), mask.sum()
 
 
+def token_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed entropy of the predicted next-token distributions at the positions that take a loss.
+
+    As `trl.SFTTrainer` 1.16's `entropy` metric (its fused LM head's per-token entropy, summed over the tokens
+    whose shifted label is not -100); divide by `token_accuracy_counts`'s total for the mean.
+
+    Args:
+        logits: (B, T, V) causal LM logits.
+        labels: (B, T) with -100 where no loss is taken.
+    Returns:
+        0-dim float tensor: Σ over those positions of H(softmax(logits)) = logsumexp(l) − Σ softmax(l)·l.
+    """
+    picked = logits[..., :-1, :][labels[..., 1:] != -100].float()  # (N, V)
+    log_probs = torch.log_softmax(picked, dim=-1)
+    return -(log_probs.exp() * log_probs).sum()
+
+
+def packed_real_token_count(input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                            pad_token_id: int | None) -> torch.Tensor:
+    """Real tokens of a packed batch: every token but the dummy sequence `PackingCollator` pads each row with.
+
+    The padding is each row's last sequence (from its last `position_ids == 0`) when that sequence is all pad
+    tokens with label -100; a real document always has a label past its first token (untrainable rows are dropped
+    when the dataset is prepared).
+
+    Args:
+        input_ids, position_ids, labels: (B, T) packed rows (a flattened row is (1, N)).
+        pad_token_id: the collator's pad id (None: 0, as `PackingCollator`).
+    Returns:
+        0-dim long tensor.
+    """
+    pad_token_id = 0 if pad_token_id is None else pad_token_id
+    width = input_ids.shape[-1]
+    columns = torch.arange(width, device=input_ids.device)
+    last_start = torch.where(position_ids == 0, columns, -1).max(dim=-1, keepdim=True).values  # (B, 1)
+    in_last = columns >= last_start
+    is_padding = (((input_ids == pad_token_id) & (labels == -100)) | ~in_last).all(dim=-1)  # (B,)
+    return input_ids.numel() - ((width - last_start.squeeze(-1)) * is_padding).sum()
+
+
 def is_packed_batch(inputs: dict) -> bool:
     """A padding-free batch: restarted `position_ids` and no attention mask."""
     return "position_ids" in inputs and "attention_mask" not in inputs
@@ -51,7 +93,9 @@ class SFTTrainer(BaseTrainer):
         model: a hub id or local path (loaded with `model_config`), a `PreTrainedModel`, or a `PeftModel`.
         args: an `SFTConfig`.
         train_dataset / eval_dataset: raw rows in any supported format, or already tokenized rows
-            (with `input_ids`), as a `datasets.Dataset` (eval: also a dict of them).
+            (with `input_ids`), as a `datasets.Dataset` or a streamed `datasets.IterableDataset` (eval: also a dict
+            of them). A streamed train set needs `max_steps`; it is tokenized, validated row by row and (with
+            `packing`) packed on the fly as it streams (`hf_rlhf.data.streaming`).
         processing_class: the tokenizer. Default: loaded from the model's path.
         peft_config: a `peft.LoraConfig`; default: built from `model_config` when `use_peft` is set.
         model_config: how to load `model` when it is a string, and the LoRA / QLoRA options.
@@ -97,27 +141,33 @@ class SFTTrainer(BaseTrainer):
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, data_collator=data_collator, callbacks=callbacks,
                          **kwargs)
-        self._num_tokens = 0
-        self._last_log = time.perf_counter()
+        self._num_tokens = 0  # real tokens trained on so far (TRL's `num_tokens`)
 
     # -- setup ---------------------------------------------------------------------------------
     @staticmethod
     def _prepare(dataset, tokenizer, args, name):
         if dataset is None:
             return None
-        if "input_ids" in dataset.column_names:
+        if name == "train":
+            check_streamed_training(args, dataset)
+        streamed = is_streamed(dataset)
+        columns = stream_columns(dataset, first_rows(dataset)[0]) if streamed else dataset.column_names
+        if "input_ids" in columns:
             prepared = dataset
         else:
             with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
                 prepared = prepare_sft_dataset(dataset, tokenizer, args)
-            logger.info("%s dataset: %d rows tokenized", name, len(prepared))
+            if not streamed:
+                logger.info("%s dataset: %d rows tokenized", name, len(prepared))
         if args.packing:
             from trl.data_utils import pack_dataset
 
-            n_before = len(prepared)
-            prepared = pack_dataset(prepared, args.max_length, strategy=args.packing_strategy)
-            logger.info("%s dataset: %d examples packed into %d rows of <= %d tokens",
-                        name, n_before, len(prepared), args.max_length)
+            # a stream is packed on the fly, as TRL's: best-fit decreasing within each window of 1000 examples
+            packed = pack_dataset(prepared, args.max_length, strategy=args.packing_strategy)
+            if not streamed:
+                logger.info("%s dataset: %d examples packed into %d rows of <= %d tokens",
+                            name, len(prepared), len(packed), args.max_length)
+            prepared = packed
         return prepared
 
     @staticmethod
@@ -144,27 +194,27 @@ class SFTTrainer(BaseTrainer):
             inputs = {**inputs, "use_cache": False}
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
+        mode = "train" if model.training else "eval"
         if "labels" in inputs and getattr(outputs, "logits", None) is not None:
             with torch.no_grad():
                 correct, total = token_accuracy_counts(outputs.logits, inputs["labels"])
-            metrics = self.metrics["train" if model.training else "eval"]
+                entropy = token_entropy_sum(outputs.logits, inputs["labels"])
+            metrics = self.metrics[mode]
+            metrics.add("entropy", entropy, total)
             metrics.add("mean_token_accuracy", correct, total)
-            real = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
-            metrics.add("num_tokens", real, 0)
+        if mode == "train":
+            if is_packed_batch(inputs) and "labels" in inputs:
+                real = packed_real_token_count(inputs["input_ids"], inputs["position_ids"], inputs["labels"],
+                                               getattr(self.data_collator, "pad_token_id", None))
+            else:
+                real = real_token_count(inputs)
+            self.metrics[mode].add("num_tokens", real, 0)
         return (loss, outputs) if return_outputs else loss
 
     def logged_metrics(self, mode: str, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
-        """Token accuracy; for training also the real (non-pad) tokens seen so far and their rate since the last log."""
+        """Token means (entropy, accuracy), and the running total of real tokens trained on (eval logs too, as TRL)."""
+        if mode == "train":
+            self._num_tokens += totals.get("num_tokens", (0.0, 0.0))[0]
         logs = super().logged_metrics(mode, {k: v for k, v in totals.items() if k != "num_tokens"})
-        tokens = totals.get("num_tokens", (0.0, 0.0))[0]
-        if mode == "train" and tokens > 0:
-            now = time.perf_counter()
-            self._num_tokens += tokens
-            logs["num_tokens"] = self._num_tokens
-            logs["tokens_per_second"] = tokens / max(now - self._last_log, 1e-9)
-            self._last_log = now
+        logs["num_tokens"] = float(self._num_tokens)
         return logs
-
-    def train(self, *args, **kwargs):
-        self._last_log = time.perf_counter()
-        return super().train(*args, **kwargs)

@@ -104,10 +104,14 @@ def test_training_learns_logs_and_evaluates(tmp_path, tokenizer, pairs):
 
     def extra_metrics(eval_pred):
         seen["shape"], seen["labels"] = eval_pred.predictions.shape, eval_pred.label_ids
-        return {"mean_gap": float((eval_pred.predictions[:, 0] - eval_pred.predictions[:, 1]).mean())}
+        rewards = torch.as_tensor(eval_pred.predictions)[:, 0]
+        # TRL's layout: per eval batch of 4 pairs, 4 chosen rewards then 4 rejected
+        chosen, rejected = rewards.reshape(4, 2, 4)[:, 0].reshape(-1), rewards.reshape(4, 2, 4)[:, 1].reshape(-1)
+        seen["rewards"] = rewards
+        return {"mean_gap": float((chosen - rejected).mean())}
 
     trainer = RewardTrainer(model, args=make_args(tmp_path, max_steps=24, logging_steps=8, learning_rate=1e-2,
-                                                  per_device_eval_batch_size=5),
+                                                  per_device_eval_batch_size=4),
                             train_dataset=rows, eval_dataset=rows, processing_class=tokenizer,
                             compute_metrics=extra_metrics)
     first = trainer.evaluate()
@@ -115,13 +119,18 @@ def test_training_learns_logs_and_evaluates(tmp_path, tokenizer, pairs):
     last = trainer.evaluate()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs[-1]["loss"] < logs[0]["loss"], logs
-    for key in ("accuracy", "margin", "reward_chosen", "reward_rejected"):
-        assert key in logs[0]
+    for key in ("accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens"):
+        assert key in logs[0] and "eval_" + key in last
     assert 0 <= logs[0]["accuracy"] <= 1
+    assert logs[0]["min_reward"] <= logs[0]["mean_reward"] <= logs[0]["max_reward"]
+    assert 0 < logs[0]["num_tokens"] < logs[-1]["num_tokens"] == last["eval_num_tokens"]
     assert last["eval_loss"] < first["eval_loss"] and last["eval_accuracy"] >= 0.9, (first, last)
-    assert last["eval_margin"] == pytest.approx(last["eval_reward_chosen"] - last["eval_reward_rejected"], abs=1e-5)
     assert last["eval_mean_gap"] == pytest.approx(last["eval_margin"], abs=1e-5)
-    assert seen["shape"] == (16, 2) and (seen["labels"] == 0).all()
+    assert seen["shape"] == (32, 1) and seen["labels"] == ()  # TRL 1.16's shapes
+    rewards = seen["rewards"]
+    assert last["eval_min_reward"] == pytest.approx(float(rewards.min()), abs=1e-5)
+    assert last["eval_max_reward"] == pytest.approx(float(rewards.max()), abs=1e-5)
+    assert last["eval_mean_reward"] == pytest.approx(float(rewards.mean()), abs=1e-5)
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
 
 

@@ -43,6 +43,87 @@ def test_accumulator_reduces_over_ranks_in_one_collective():
     assert metrics.totals(_TwoRanks()) == {"a": (6.0, 4.0), "b": (2.0, 2.0)}
 
 
+class _GatherRanks:
+    """An accelerator stand-in whose `gather` concatenates this rank's tensor with another rank's."""
+
+    device = torch.device("cpu")
+    num_processes = 2
+
+    def __init__(self, other):
+        self.other = other
+
+    def reduce(self, tensor, reduction="sum"):
+        return tensor + self.other.pop("sums")
+
+    def gather(self, tensor):
+        return torch.cat([tensor, self.other.pop("extremes")])
+
+
+def test_accumulator_min_max_over_micro_batches():
+    metrics = MetricAccumulator()
+    metrics.add_min("min_reward", torch.tensor([0.5, -1.0, 2.0]))
+    metrics.add_max("max_reward", torch.tensor([0.5, -1.0, 2.0]))
+    metrics.add_min("min_reward", torch.tensor(-0.25))
+    metrics.add_max("max_reward", torch.tensor([[3.0], [1.0]]))
+    metrics.add_min("min_reward", torch.tensor([]))  # an empty batch changes nothing
+    assert metrics.means() == {"max_reward": 3.0, "min_reward": -1.0}
+    assert not metrics
+    metrics.add_max("max_reward", torch.tensor(-7.0))  # a fresh window after a log
+    assert metrics.totals() == {"max_reward": (-7.0, 1.0)}
+    with pytest.raises(ValueError, match="another kind"):
+        metrics.add_min("max_reward", 1.0)
+
+
+def test_accumulator_min_max_reduce_over_ranks_as_min_max_not_sum():
+    metrics = MetricAccumulator()
+    metrics.add("accuracy", torch.tensor(1.0), torch.tensor(2.0))
+    metrics.add_min("min_reward", torch.tensor([0.5, 1.0]))
+    metrics.add_max("max_reward", torch.tensor([0.5, 1.0]))
+    # the other rank: accuracy 2 of 2; rewards in [-3, 4]; extremes are stored in name order, a max negated
+    other = {"sums": torch.tensor([[2.0, 2.0]], dtype=torch.float64),
+             "extremes": torch.tensor([-4.0, -3.0], dtype=torch.float64)}
+    totals = metrics.totals(_GatherRanks(other))
+    assert totals == {"accuracy": (3.0, 4.0), "max_reward": (4.0, 1.0), "min_reward": (-3.0, 1.0)}
+    assert not other  # one collective of each kind
+
+
+def test_accumulator_min_max_under_two_real_processes(tmp_path):
+    """Two gloo processes: each rank's min / max and sums are reduced through a real `Accelerator`."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys, torch
+        from accelerate import Accelerator
+        from hf_rlhf.trainers.metrics import MetricAccumulator
+        acc = Accelerator(cpu=True)
+        rank = acc.process_index
+        m = MetricAccumulator()
+        rewards = torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([-5.0, 9.0])
+        m.add_min("min_reward", rewards); m.add_max("max_reward", rewards); m.add("mean_reward", rewards.sum(), 2)
+        if rank == 0:
+            json.dump(m.means(acc), open(sys.argv[1], "w"))
+        else:
+            m.means(acc)
+    """))
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+                    "--master_addr=127.0.0.1",
+                    str(script), str(out)], capture_output=True, text=True, timeout=120, check=False)
+    import json
+
+    assert out.exists(), proc.stderr[-3000:]
+
+    assert json.loads(out.read_text()) == {"max_reward": 9.0, "mean_reward": 1.75, "min_reward": -5.0}
+
+
 def test_last_true_indices_left_right_none_and_empty_rows():
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
     assert last_true_indices(mask).tolist() == [2, 4, 4, 0]

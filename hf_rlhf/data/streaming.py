@@ -1,0 +1,79 @@
+"""Streamed datasets (`datasets.IterableDataset`): the same preparation as in-memory data, row by row.
+
+A stream has no length and cannot be read twice cheaply, so preparation is lazy, as TRL 1.16's:
+- the format is detected from a look-ahead at the first row (a stream's columns may be unknown until read);
+- every row is validated as it streams, just before it is tokenized, with the same checks as in-memory data, so an
+  error names the row (its index in the stream) and the field, when training reaches it;
+- the over-long policy is a lazy filter (`error` raises on the row, `drop` / `truncate` skip rows), with no counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from datasets import IterableDataset
+
+from .tokenization import LENGTH_COLUMNS
+from .validation import DataValidationError, Verbatim
+
+
+def is_streamed(dataset) -> bool:
+    """Whether `dataset` is a `datasets.IterableDataset` (streamed: no length, read lazily)."""
+    return isinstance(dataset, IterableDataset)
+
+
+def first_rows(dataset: IterableDataset, n: int = 1) -> list[dict]:
+    """The first `n` rows of a stream (a look-ahead: the stream itself is not consumed).
+
+    Raises:
+        DataValidationError: the stream has no row.
+    """
+    rows = list(itertools.islice(iter(dataset), n))
+    if not rows:
+        raise DataValidationError(None, None, "at least one row", Verbatim("0 rows: the stream is empty"))
+    return rows
+
+
+def stream_columns(dataset: IterableDataset, first_row: dict) -> list[str]:
+    """The stream's columns: its features' names when known, else the first row's keys."""
+    return list(dataset.column_names) if dataset.column_names is not None else list(first_row)
+
+
+def stream_length_policy(dataset: IterableDataset, max_length: int | None, policy: str,
+                         field: str) -> IterableDataset:
+    """`apply_length_policy` for a stream: a lazy filter on the `_length` / `_trainable` columns, then drop them.
+
+    Args:
+        dataset: tokenized rows with `_length` (untruncated length) and `_trainable` (a loss token is left).
+        max_length: the longest row allowed; None: no limit.
+        policy: `error` raises `DataValidationError` on the first over-long row as it streams; `drop` skips
+            over-long rows; `truncate` keeps them (already cut) unless no trainable token is left.
+        field: the field named in an `error`.
+    """
+
+    def keep(row: dict, index: int) -> bool:
+        if max_length is None or row["_length"] <= max_length:
+            return True
+        if policy == "error":
+            raise DataValidationError(index, field, f"at most max_length={max_length} tokens (overlong_policy="
+                                      "'error'; use 'truncate' or 'drop' to keep going)",
+                                      Verbatim(f"{row['_length']} tokens"))
+        return policy == "truncate" and bool(row["_trainable"])
+
+    return dataset.filter(keep, with_indices=True).remove_columns(list(LENGTH_COLUMNS))
+
+
+def check_streamed_training(args, train_dataset) -> None:
+    """A streamed train set needs `max_steps` (it has no length to count epochs by), as TRL; and, as TRL, accelerate
+    must not dispatch its batches from the main process (`dispatch_batches=False`).
+
+    Args:
+        args: the trainer's `TrainingArguments`.
+        train_dataset: the train set, streamed or not.
+    """
+    if not is_streamed(train_dataset):
+        return
+    if args.max_steps is None or args.max_steps <= 0:
+        raise ValueError(f"train_dataset is a streamed IterableDataset, which has no length: set max_steps > 0 "
+                         f"(got max_steps={args.max_steps}); num_train_epochs cannot be counted on a stream")
+    args.accelerator_config.dispatch_batches = False

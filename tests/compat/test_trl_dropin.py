@@ -1,0 +1,204 @@
+"""Drop-in check: the same small scripts run through `trl` 1.16 and through `hf_rlhf`, only the import changed.
+
+Each script is written once, as a function of the library module (`trl` or `hf_rlhf`), the way a TRL user
+writes it: `lib.SFTConfig(...)`, `lib.SFTTrainer(model=path, ...)`. Both runs start from the same tiny model
+saved to a directory, the same toy tokenizer (it has a chat template) and the same seed, in fp32 on CPU, for 3
+steps and one evaluation. Asserted: the training and evaluation losses agree to 1e-5 at every step, and the
+logged metric names (train and eval logs) are the same.
+
+Known differences, by design (values only; the names agree):
+- eval `entropy` / `mean_token_accuracy` (SFT) and `accuracy` / `margin` / `min_reward` / `max_reward` (reward)
+  over more than one eval batch: TRL averages per-batch means and per-batch extremes; hf_rlhf logs the exact
+  token / pair mean and the true min / max over the whole evaluation (and over ranks).
+- `completion_only_loss=None`: TRL decides it once, from the train set's first row, and applies it to the eval
+  sets too; hf_rlhf decides it per dataset (a prompt/completion eval set beside a text train set keeps its
+  completion-only loss). The scripts use one format per case.
+- TRL's configs default to `bf16=True` and `gradient_checkpointing=True`; hf_rlhf's are device-aware (off on CPU).
+  The scripts set both, so they compare the same arithmetic.
+"""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset, load_dataset
+from transformers import TrainerCallback, set_seed
+
+pytestmark = pytest.mark.integration
+
+trl = pytest.importorskip("trl")
+import hf_rlhf  # noqa: E402
+from hf_rlhf.toy import (  # noqa: E402
+    build_toy_model,
+    build_toy_reward_model,
+    build_toy_tokenizer,
+    preference_dataset,
+    sft_dataset,
+)
+
+LIBRARIES = (trl, hf_rlhf)
+# what the Trainer itself logs, the same through either library
+TIMING_KEYS = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "train_runtime",
+               "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss", "epoch"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_toy_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, tokenizer):
+    """A tiny causal LM and a tiny reward model, each saved with the tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    paths = {"lm": str(root / "lm"), "rm": str(root / "rm")}
+    for key, build in (("lm", build_toy_model), ("rm", build_toy_reward_model)):
+        build(tokenizer).save_pretrained(paths[key])
+        tokenizer.save_pretrained(paths[key])
+    return paths
+
+
+def config_kwargs(output_dir: str) -> dict:
+    return dict(output_dir=output_dir, max_steps=3, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=3, save_strategy="no",
+                report_to="none", seed=0, use_cpu=True, bf16=False, gradient_checkpointing=False, disable_tqdm=True)
+
+
+def seed_everything(seed: int = 0) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    set_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the scripts: written once, run with lib = trl and lib = hf_rlhf
+
+
+def sft_script(lib, model_path, tokenizer, train, evaluation, output_dir, peft_config=None, formatting_func=None,
+               **config):
+    seed_everything()
+    args = lib.SFTConfig(**{**config_kwargs(output_dir), "max_length": 64, **config})
+    extra = {"formatting_func": formatting_func} if formatting_func is not None else {}
+    trainer = lib.SFTTrainer(model=model_path, args=args, train_dataset=train, eval_dataset=evaluation,
+                             processing_class=tokenizer, peft_config=peft_config, **extra)
+    trainer.train()
+    return trainer.state.log_history
+
+
+def reward_script(lib, model_path, tokenizer, train, evaluation, output_dir, seen=None, **config):
+    seed_everything()
+    args = lib.RewardConfig(**{**config_kwargs(output_dir), "max_length": 64, **config})
+
+    def compute_metrics(eval_pred):
+        if seen is not None:
+            seen[lib.__name__] = (np.asarray(eval_pred.predictions), eval_pred.label_ids)
+        return {}
+
+    trainer = lib.RewardTrainer(model=model_path, args=args, train_dataset=train, eval_dataset=evaluation,
+                                processing_class=tokenizer, compute_metrics=compute_metrics)
+    trainer.train()
+    return trainer.state.log_history
+
+
+# ---------------------------------------------------------------------------------------------------
+# comparison
+
+
+def split_logs(history: list[dict]) -> tuple[list[dict], list[dict]]:
+    train = [h for h in history if "loss" in h]
+    evaluation = [h for h in history if "eval_loss" in h]
+    return train, evaluation
+
+
+def compare(histories: dict) -> float:
+    """Assert equal losses (1e-5) and equal metric names between the two runs; return the largest loss gap."""
+    (trl_train, trl_eval), (ours_train, ours_eval) = (split_logs(histories[lib]) for lib in LIBRARIES)
+    assert len(trl_train) == len(ours_train) == 3 and len(trl_eval) == len(ours_eval) == 1
+    gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(trl_train, ours_train)]
+    gaps += [abs(trl_eval[0]["eval_loss"] - ours_eval[0]["eval_loss"])]
+    for theirs, ours in zip(trl_train + trl_eval, ours_train + ours_eval):
+        assert set(theirs) - TIMING_KEYS == set(ours) - TIMING_KEYS, (sorted(theirs), sorted(ours))
+        num_tokens = "eval_num_tokens" if "eval_loss" in theirs else "num_tokens"
+        assert theirs[num_tokens] == ours[num_tokens]  # the same definition: real tokens trained on so far
+    assert max(gaps) <= 1e-5, (gaps, [h["loss"] for h in trl_train], [h["loss"] for h in ours_train])
+    return max(gaps)
+
+
+def run_both(script, tmp_path, *args, **kwargs) -> float:
+    histories = {lib: script(lib, *args, output_dir=str(tmp_path / lib.__name__), **kwargs) for lib in LIBRARIES}
+    gap = compare(histories)
+    print(f"max |loss diff| {gap:.2e}; metric names: {sorted(set(split_logs(histories[hf_rlhf])[0][0]) - TIMING_KEYS)}")
+    return gap
+
+
+def streamed(dataset: Dataset, tmp_path, name: str):
+    path = str(tmp_path / f"{name}.jsonl")
+    dataset.to_json(path)
+    return load_dataset("json", data_files=path, split="train", streaming=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# cases
+
+
+@pytest.mark.parametrize("fmt,packing", [("text", False), ("prompt_completion", False), ("messages", False),
+                                         ("text", True), ("prompt_completion", True), ("messages", True)])
+def test_sft(tmp_path, tokenizer, model_dirs, fmt, packing):
+    run_both(sft_script, tmp_path, model_dirs["lm"], tokenizer, sft_dataset(24, seed=0, format=fmt),
+             sft_dataset(8, seed=1, format=fmt), packing=packing)
+
+
+def test_sft_lora(tmp_path, tokenizer, model_dirs):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    run_both(sft_script, tmp_path, model_dirs["lm"], tokenizer, sft_dataset(24, seed=0),
+             sft_dataset(8, seed=1), peft_config=lora, learning_rate=1e-2)
+
+
+def _question_answer(n: int, seed: int) -> Dataset:
+    rows = sft_dataset(n, seed=seed)
+    return Dataset.from_dict({"question": rows["prompt"], "answer": rows["completion"]})
+
+
+def _formatting_func_landed() -> bool:
+    import inspect
+
+    return "formatting_func" in inspect.signature(hf_rlhf.SFTTrainer.__init__).parameters
+
+
+@pytest.mark.xfail(not _formatting_func_landed(), strict=True, raises=(TypeError, ValueError),
+                   reason="SFTTrainer(formatting_func=...) is added by the TRL-signatures work (issue 14 part A), "
+                          "not yet merged into this branch")
+def test_sft_formatting_func(tmp_path, tokenizer, model_dirs):
+    run_both(sft_script, tmp_path, model_dirs["lm"], tokenizer, _question_answer(24, 0), _question_answer(8, 1),
+             formatting_func=lambda row: f"{row['question']}{row['answer']}")
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_sft_streamed(tmp_path, tokenizer, model_dirs, packing):
+    run_both(sft_script, tmp_path, model_dirs["lm"], tokenizer,
+             streamed(sft_dataset(40, seed=0, format="text"), tmp_path, "train"),
+             sft_dataset(8, seed=1, format="text"), packing=packing)
+
+
+def test_reward(tmp_path, tokenizer, model_dirs):
+    seen = {}
+    run_both(reward_script, tmp_path, model_dirs["rm"], tokenizer, preference_dataset(24, seed=0),
+             preference_dataset(8, seed=1), seen=seen)
+    # compute_metrics gets TRL's arrays: (2N, 1) rewards, per eval batch its chosen then its rejected; no labels
+    (theirs, their_labels), (ours, our_labels) = seen["trl"], seen["hf_rlhf"]
+    assert theirs.shape == ours.shape == (16, 1) and their_labels == our_labels == ()
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_reward_streamed(tmp_path, tokenizer, model_dirs):
+    run_both(reward_script, tmp_path, model_dirs["rm"], tokenizer,
+             streamed(preference_dataset(24, seed=0), tmp_path, "pairs"), preference_dataset(8, seed=1))
