@@ -20,7 +20,7 @@ from .preference import (
     prepare_preference_dataset,
     validate_preference_dataset,
 )
-from .sft import CONVERSATIONAL_FORMATS, detect_format, prepare_sft_dataset, sft_options, validate_sft_dataset
+from .sft import CONVERSATIONAL_FORMATS, apply_formatting_func, detect_format, prepare_sft_dataset, sft_options, validate_sft_dataset
 from .tokenization import (
     OVERLONG_POLICIES,
     apply_length_policy,
@@ -60,6 +60,7 @@ __all__ = [
     "ROLES",
     "DataValidationError",
     "Verbatim",
+    "apply_formatting_func",
     "apply_length_policy",
     "as_dataset",
     "check_chat_template",
