@@ -96,6 +96,8 @@ def _describe(tp) -> str:
         return "None"
     if typing.get_origin(tp) is typing.Literal:
         return " or ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is not None:  # list[str], dict[str, Any]
+        return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", str(tp))
 
 

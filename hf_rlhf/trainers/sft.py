@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import fields
 
 import torch
 from transformers import TrainingArguments
 
 from ..collators import PackingCollator, PaddingCollator
-from ..configs import ModelConfig, SFTConfig
+from ..configs import ModelConfig, SFTConfig, SFTDataOptions
 from ..data import (
     apply_formatting_func,
     ensure_pad_token,
@@ -158,8 +159,13 @@ class SFTTrainer(BaseTrainer):
         if "input_ids" in dataset.column_names:
             prepared = dataset
         else:
+            options = args
+            if packing and args.packing_strategy != "bfd":
+                # bfd_split / wrapped pack the overflow of a long example instead of cutting it (as TRL)
+                options = SFTDataOptions(**{**{f.name: getattr(args, f.name) for f in fields(SFTDataOptions)},
+                                            "max_length": None})
             with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
-                prepared = prepare_sft_dataset(dataset, tokenizer, args)
+                prepared = prepare_sft_dataset(dataset, tokenizer, options)
             logger.info("%s dataset: %d rows tokenized", name, len(prepared))
         if args.shuffle_dataset:  # before packing too, as TRL: which examples share a row is then random
             prepared = prepared.shuffle(seed=args.seed)

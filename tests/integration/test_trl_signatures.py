@@ -31,11 +31,11 @@ COMMON = dict(per_device_train_batch_size=4, max_steps=2, logging_steps=1, save_
 
 
 def sft_args(tmp_path, **kw):
-    return SFTConfig(output_dir=str(tmp_path / "out"), max_length=64, **{**COMMON, **kw})
+    return SFTConfig(output_dir=str(tmp_path / "out"), **{"max_length": 64, **COMMON, **kw})
 
 
 def reward_args(tmp_path, **kw):
-    return RewardConfig(output_dir=str(tmp_path / "out"), max_length=64, **{**COMMON, **kw})
+    return RewardConfig(output_dir=str(tmp_path / "out"), **{"max_length": 64, **COMMON, **kw})
 
 
 def trainable(model):
@@ -316,3 +316,21 @@ def test_router_aux_loss_coef_on_a_dense_model_is_a_clear_error(tmp_path, tokeni
     with pytest.raises(ValueError, match="not a Mixture-of-Experts model"):
         SFTTrainer(build_toy_model(tokenizer), sft_args(tmp_path, router_aux_loss_coef=0.01),
                    train_dataset=sft_dataset(4), processing_class=tokenizer)
+
+
+def test_bfd_split_packs_overflow_instead_of_cutting_it(tmp_path, tokenizer):
+    rows = sft_dataset(24, seed=1)
+    whole = SFTTrainer(build_toy_model(tokenizer), sft_args(tmp_path, max_length=None), train_dataset=rows,
+                       processing_class=tokenizer).train_dataset
+    total = sum(len(ids) for ids in whole["input_ids"])
+    longest = max(len(ids) for ids in whole["input_ids"])
+    row_length = longest - 4  # some examples overflow a row
+    packed = {}
+    for strategy in ("bfd", "bfd_split"):
+        packed[strategy] = SFTTrainer(build_toy_model(tokenizer), sft_args(
+            tmp_path, packing=True, packing_strategy=strategy, max_length=row_length), train_dataset=rows,
+            processing_class=tokenizer).train_dataset
+    kept = {k: sum(len(ids) for ids in d["input_ids"]) for k, d in packed.items()}
+    assert kept["bfd_split"] == total  # every token kept
+    assert kept["bfd"] < total  # overflow cut (keep_start)
+    assert all(len(ids) <= row_length for ids in packed["bfd_split"]["input_ids"])
