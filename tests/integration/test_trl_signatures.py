@@ -334,3 +334,37 @@ def test_bfd_split_packs_overflow_instead_of_cutting_it(tmp_path, tokenizer):
     assert kept["bfd_split"] == total  # every token kept
     assert kept["bfd"] < total  # overflow cut (keep_start)
     assert all(len(ids) <= row_length for ids in packed["bfd_split"]["input_ids"])
+
+
+def tiny_moe(tokenizer):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+                           router_aux_loss_coef=0.02, output_router_logits=False)
+    return MixtralForCausalLM(config)
+
+
+def test_router_aux_loss_coef_on_a_moe_model(tmp_path, tokenizer):
+    rows = sft_dataset(8, seed=1)
+    batch = tokenizer(["Q: add 1 2\nA: 3"], return_tensors="pt")
+    batch["labels"] = batch["input_ids"]
+    losses = {}
+    for coef in (None, 0.0, 0.5):
+        trainer = SFTTrainer(tiny_moe(tokenizer), sft_args(tmp_path, router_aux_loss_coef=coef), train_dataset=rows,
+                             processing_class=tokenizer)
+        model = trainer.model
+        expected = 0.02 if coef is None else coef  # None: the model config's own (TRL)
+        assert model.config.router_aux_loss_coef == model.router_aux_loss_coef == expected
+        assert model.config.output_router_logits is (expected != 0)
+        with torch.no_grad():
+            out = model(**batch)
+        losses[coef] = (out.loss, out.aux_loss)
+    nll = losses[0.0][0]
+    for coef, (loss, aux) in losses.items():
+        if coef:  # the model's own loss carries the weighted load-balancing term
+            torch.testing.assert_close(loss, nll + coef * aux)
+    torch.testing.assert_close(losses[None][0], nll + 0.02 * losses[None][1])
+    trainer.train()
