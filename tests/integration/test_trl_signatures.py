@@ -212,7 +212,11 @@ def test_ppo_peft_config_kinds_and_trl_112_keywords(tmp_path, tokenizer, kind):
     assert trainer.state.global_step == 2
     assert [n for n in changed(before, trainer.model) if "value" not in n], f"{kind}: the policy adapter did not move"
     trainer.save_model(str(tmp_path / "policy"))
-    assert (tmp_path / "policy" / "adapter_config.json").is_file()
+    policy = trainer.model.policy.eval()
+    reloaded = PeftModel.from_pretrained(build_toy_model(tokenizer), str(tmp_path / "policy")).eval()
+    batch = tokenizer(["Q: add 12 30\nA:"], return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, policy(**batch).logits)
 
 
 def test_ppo_refuses_what_cannot_apply(tmp_path, tokenizer):
