@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 import trl
 from transformers import TrainingArguments
 
+from .config_checks import check_field_types, renamed_options
 from .imports import is_flash_attn_available
 
 
@@ -46,6 +47,7 @@ def default_attn_implementation() -> str:
     return "flash_attention_2" if (_cuda_available() and is_flash_attn_available()) else "sdpa"
 
 
+@renamed_options("max_seq_length")
 @dataclass
 class ModelConfig(trl.ModelConfig):
     """How to load a model: weights, dtype, attention, LoRA adapters and bitsandbytes quantization.
@@ -87,6 +89,7 @@ class ModelConfig(trl.ModelConfig):
     )
 
     def __post_init__(self):
+        check_field_types(self)
         # checked before TRL's __post_init__ so that the messages say what to do
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("ModelConfig: load_in_4bit and load_in_8bit cannot both be set.")
@@ -111,6 +114,7 @@ class ModelConfig(trl.ModelConfig):
 OVERLONG_CHOICES = ["truncate", "drop", "error"]
 
 
+@renamed_options("max_seq_length")
 @dataclass
 class DataOptions:
     """Dataset preparation options shared by SFT and reward data (mixed into `SFTConfig` and `RewardConfig`).
@@ -139,6 +143,8 @@ class DataOptions:
 
     def __post_init__(self):
         name = type(self).__name__
+        if not isinstance(self, TrainingArguments):  # a trainer config checked every field already
+            check_field_types(self)
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"{name}.max_length must be >= 2, got {self.max_length}.")
         if self.overlong_policy not in OVERLONG_CHOICES:
@@ -163,6 +169,7 @@ class DataOptions:
         return cls(**{f.name: getattr(options, f.name) for f in fields(DataOptions)})
 
 
+@renamed_options("max_seq_length")
 @dataclass
 class SFTDataOptions(DataOptions):
     """`DataOptions` plus what only SFT data reads; `SFTConfig` is one. Defaults and help texts are SFT's.
@@ -188,6 +195,7 @@ class SFTDataOptions(DataOptions):
     assistant_only_loss: bool = field(default=False, metadata={"help": "Loss on assistant turns only."})
 
 
+@renamed_options("max_seq_length")
 @dataclass
 class PreferenceDataOptions(DataOptions):
     """`DataOptions` plus what only preference pairs read; `RewardConfig` is one. Defaults and help are its.
@@ -253,8 +261,64 @@ def _deepspeed_launch(args) -> bool:
     return bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
+
+PAD_TO_MULTIPLE_OF_HELP = "Pad batches to a multiple of this. 'auto' (TRL's default): no padding (it pads on Neuron only)."
+
+
+def resolve_pad_to_multiple_of(value, owner: str) -> int | None:
+    """TRL's `pad_to_multiple_of` values: an int, None, "auto" (None: no Neuron here), or those as command-line strings."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("auto", "none", "null"):
+            return None
+        if not text.isdigit():
+            raise ValueError(f"{owner}.pad_to_multiple_of must be an int, None or 'auto', got {value!r}.")
+        value = int(text)
+    if value is not None and value < 1:
+        raise ValueError(f"{owner}.pad_to_multiple_of must be >= 1, got {value}.")
+    return value
+
+
 @dataclass
-class SFTConfig(SFTDataOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
+class TrainerModelOptions:
+    """Options TRL's SFT and reward configs share for the model the trainer builds and trains (mixed into both).
+
+    Args:
+        model_init_kwargs: keyword arguments for `from_pretrained` when the trainer's `model` is a path (a dict, or
+            JSON on the command line); they win over `ModelConfig`'s. Ignored, with a warning, for a built model.
+        trust_remote_code: allow custom modelling code when the trainer loads the model or the tokenizer.
+        activation_offloading: keep activations in CPU memory between the forward and the backward
+            (`trl.models.activation_offloading`); needs CUDA.
+    """
+
+    model_init_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Keyword arguments for from_pretrained when model is a path (dict or JSON)."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow custom modelling code when loading the model or tokenizer."}
+    )
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "Offload activations to CPU memory between forward and backward (CUDA)."}
+    )
+
+    def _check_model_options(self):
+        name = type(self).__name__
+        for option in ("model_init_kwargs", "dataset_kwargs"):
+            value = getattr(self, option, None)
+            if isinstance(value, str) and not value.lstrip().startswith("{"):
+                raise ValueError(f"{name}.{option} must be a dict (or a JSON object on the command line), got "
+                                 f"{value!r}.")
+        if self.activation_offloading and (not _cuda_available() or self.use_cpu):
+            raise ValueError(f"{name}.activation_offloading=True moves activations from the GPU to CPU memory; "
+                             "without CUDA they are in CPU memory already. Set activation_offloading=False.")
+        if self.activation_offloading and _deepspeed_launch(self):
+            raise ValueError(f"{name}.activation_offloading is not supported with DeepSpeed (as in TRL); use "
+                             "DeepSpeed's own offload_param / offload_optimizer settings.")
+
+
+@renamed_options("max_seq_length")
+@dataclass
+class SFTConfig(SFTDataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     """Supervised fine-tuning options (a `TrainingArguments`).
 
     Data (`SFTDataOptions`, read by `hf_rlhf.data.prepare_sft_dataset`):
@@ -272,9 +336,21 @@ class SFTConfig(SFTDataOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingA
         packing_check: with `packing` or `padding_free`, check before training that two short sequences give the
             model the same outputs packed and apart, and refuse the architecture otherwise (OPT: its mask ignores
             `position_ids`); `hf_rlhf.packing_check`. A few milliseconds; False skips it.
+        packing_strategy: `bfd` (best-fit decreasing, an example longer than a row is truncated), `bfd_split`
+            (the overflow becomes its own example) or `wrapped` (cut mid-example): `trl.pack_dataset`.
+        eval_packing: pack the eval dataset; None: as `packing`.
+        shuffle_dataset: shuffle the prepared dataset with `seed` (before packing too, as TRL).
+        dataset_kwargs: `{"skip_prepare_dataset": True}` passes datasets to the collator as they are (they must
+            hold `input_ids`, or the `data_collator` given must build them).
+        truncation_mode: `keep_start` (TRL's only supported mode; `keep_end` is deprecated in TRL and refused).
     Loss:
         completion_only_loss: loss on the completion only (None: yes for prompt/completion data).
         assistant_only_loss: loss on assistant turns only (conversational data).
+        loss_type: `nll` or `dft` (Dynamic Fine-Tuning, https://huggingface.co/papers/2508.05629: each token's
+            NLL weighted by its detached probability). TRL's deprecated `chunked_nll` is `nll`.
+        router_aux_loss_coef: weight of a Mixture-of-Experts model's load-balancing loss (None: the model config's
+            own; 0.0 turns it off); an error for a model that is not MoE.
+    Model (`TrainerModelOptions`): model_init_kwargs, trust_remote_code, activation_offloading.
     """
 
     learning_rate: float = field(default=2e-5, metadata={"help": "The initial learning rate for AdamW."})
@@ -284,25 +360,65 @@ class SFTConfig(SFTDataOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingA
     )
     packing: bool = field(default=False, metadata={"help": "Pack examples into rows of max_length."})
     packing_strategy: str = field(
-        default="bfd", metadata={"help": "Dataset packing strategy (trl.pack_dataset).",
-                                 "choices": ["bfd", "wrapped"]},
+        default="bfd", metadata={"help": "Dataset packing strategy (trl.pack_dataset): bfd, bfd_split or wrapped.",
+                                 "choices": ["bfd", "bfd_split", "wrapped", "bfd-requeue"]},
     )
     padding_free: bool = field(default=False, metadata={"help": "Concatenate each batch into one row."})
     packing_check: bool = field(
         default=True, metadata={"help": "Check that packing is exact on the model before training (a few ms)."}
     )
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad batches to a multiple of this."})
+    pad_to_multiple_of: int | str | None = field(default=None, metadata={"help": PAD_TO_MULTIPLE_OF_HELP})
+    eval_packing: bool | None = field(default=None, metadata={"help": "Pack the eval dataset. None: as packing."})
+    shuffle_dataset: bool = field(default=False, metadata={"help": "Shuffle the prepared dataset with seed."})
+    dataset_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Dataset preparation options; the only key is skip_prepare_dataset."}
+    )
+    truncation_mode: str = field(
+        default="keep_start", metadata={"help": "keep_start: truncation keeps the start of each example.",
+                                        "choices": ["keep_start", "keep_end"]},
+    )
+    loss_type: str = field(
+        default="nll", metadata={"help": "nll, or dft (Dynamic Fine-Tuning).", "choices": ["nll", "dft", "chunked_nll"]}
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None, metadata={"help": "MoE load-balancing loss weight. None: the model config's; 0.0: off."}
+    )
+
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs", "dataset_kwargs"]
 
     def __post_init__(self):
+        check_field_types(self)
         self._resolve_device_defaults()
-        super().__post_init__()  # SFTDataOptions' checks, then TrainingArguments'
-        if self.packing and self.max_length is None:
+        self._check_model_options()
+        super().__post_init__()  # SFTDataOptions' checks, then TrainingArguments' (JSON dict fields parsed)
+        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of, "SFTConfig")
+        if self.packing_strategy == "bfd-requeue":  # TRL's deprecated name
+            self.packing_strategy = "bfd_split"
+        if self.loss_type == "chunked_nll":  # TRL: a deprecated alias of nll
+            self.loss_type = "nll"
+        if (self.packing or self.eval_packing) and self.max_length is None:
             raise ValueError("SFTConfig: packing=True needs max_length (the packed row length).")
+        if self.truncation_mode != "keep_start":
+            raise ValueError("SFTConfig.truncation_mode='keep_end' is deprecated in TRL (removed in v2) and not "
+                             "supported here: it cuts the prompt off completion data. Use 'keep_start' (with "
+                             "overlong_policy 'truncate', 'drop' or 'error').")
+        unknown = set(self.dataset_kwargs or {}) - {"skip_prepare_dataset"}
+        if unknown:
+            raise ValueError(f"SFTConfig.dataset_kwargs: unknown keys {sorted(unknown)}; the only key is "
+                             "'skip_prepare_dataset' (as in TRL).")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ValueError(f"SFTConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}.")
+
+    @property
+    def skip_prepare_dataset(self) -> bool:
+        """`dataset_kwargs["skip_prepare_dataset"]`: datasets go to the collator as they are."""
+        return bool((self.dataset_kwargs or {}).get("skip_prepare_dataset", False))
 
 
 
+@renamed_options("max_seq_length")
 @dataclass
-class RewardConfig(PreferenceDataOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
+class RewardConfig(PreferenceDataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     """Pairwise reward-model training options (a `TrainingArguments`).
 
     Data (`PreferenceDataOptions`, read by `hf_rlhf.data.prepare_preference_dataset`):
@@ -329,6 +445,7 @@ class RewardConfig(PreferenceDataOptions, NonFiniteOptions, DeviceDefaultsMixin,
         center_rewards_coefficient: weight of mean((r_chosen + r_rejected)^2), which pulls rewards towards zero
             mean (Eisenstein et al. 2023, https://huggingface.co/papers/2312.09244, Eq. 2). TRL recommends 0.01.
         disable_dropout: turn dropout off in the model (as TRL does).
+    Model (`TrainerModelOptions`): model_init_kwargs, trust_remote_code, activation_offloading.
     For PPO:
         store_reward_stats: after `train()`, compute the mean and std of the rewards of the train set's chosen and
             rejected sequences and store them as `config.reward_mean` / `config.reward_std` (written with the
@@ -353,7 +470,7 @@ class RewardConfig(PreferenceDataOptions, NonFiniteOptions, DeviceDefaultsMixin,
     packing_check: bool = field(
         default=True, metadata={"help": "Check that padding_free / prefix_sharing is exact on the model (a few ms)."}
     )
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad batches to a multiple of this."})
+    pad_to_multiple_of: int | str | None = field(default=None, metadata={"help": PAD_TO_MULTIPLE_OF_HELP})
     center_rewards_coefficient: float | None = field(
         default=None, metadata={"help": "Weight of mean((r_chosen + r_rejected)^2). Recommended: 0.01."}
     )
@@ -364,9 +481,14 @@ class RewardConfig(PreferenceDataOptions, NonFiniteOptions, DeviceDefaultsMixin,
         default=None, metadata={"help": "Training pairs (a seeded random sample) the reward stats use. None: all."}
     )
 
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs"]
+
     def __post_init__(self):
+        check_field_types(self)
         self._resolve_device_defaults()
-        super().__post_init__()  # PreferenceDataOptions' checks, then TrainingArguments'
+        self._check_model_options()
+        super().__post_init__()  # PreferenceDataOptions' checks, then TrainingArguments' (JSON dict fields parsed)
+        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of, "RewardConfig")
         if self.padding_free and self.prefix_sharing:
             raise ValueError("RewardConfig: padding_free and prefix_sharing are two different batch layouts; "
                              "choose one.")

@@ -71,13 +71,44 @@ def _device_map(quantized: bool):
     return {"": "cpu"}
 
 
+def check_model_path(path: str) -> None:
+    """Raise a FileNotFoundError unless `path` is a local directory or a hub id that can be loaded.
+
+    Checked before any other work, so a typo fails with its name instead of huggingface_hub's "Repo id must be in
+    the form ..." or a connection error. Offline (`HF_HUB_OFFLINE=1`), a hub id must be in the local cache.
+    """
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if os.path.isdir(path):
+        return
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise FileNotFoundError(f"model {path!r} not found: no such local directory, and not a valid hub id "
+                                "('name' or 'org/name')") from None
+    looks_local = path.startswith((".", "/", "~")) or os.path.isfile(path)
+    if looks_local:
+        raise FileNotFoundError(f"model {path!r} not found: no such local directory")
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
+        raise FileNotFoundError(f"model {path!r} not found: no such local directory, and not in the local hub cache "
+                                "(HF_HUB_OFFLINE is set, so the Hub is not asked)")
+
+
 def load_model(model_config: ModelConfig, model_class=AutoModelForCausalLM, **kwargs) -> PreTrainedModel:
     """`model_class.from_pretrained` with the dtype, attention and quantization of `model_config`.
 
-    Extra keyword arguments go to `from_pretrained` (e.g. `num_labels=1` for a reward model).
+    Extra keyword arguments go to `from_pretrained` and win over `model_config`'s (e.g. `num_labels=1` for a reward
+    model, or a trainer config's `model_init_kwargs`); a `quantization_config` among them is loaded as `model_config`'s
+    own would be (on this process's device).
+
+    Raises:
+        FileNotFoundError: the path is neither a local directory nor a hub id (`check_model_path`).
     """
     if model_config.model_name_or_path is None:
         raise ValueError("ModelConfig.model_name_or_path is None: pass a hub id or a local path.")
+    check_model_path(model_config.model_name_or_path)
     quant = quantization_config(model_config)
     init = dict(
         revision=model_config.model_revision,
@@ -87,6 +118,10 @@ def load_model(model_config: ModelConfig, model_class=AutoModelForCausalLM, **kw
     )
     if quant is not None:
         init.update(quantization_config=quant, device_map=_device_map(True))
+    if kwargs.get("quantization_config") is not None and "device_map" not in kwargs:
+        init["device_map"] = _device_map(True)
+    if isinstance(kwargs.get("dtype"), str):
+        kwargs = {**kwargs, "dtype": resolve_dtype(kwargs["dtype"])}
     init.update(kwargs)
     return model_class.from_pretrained(model_config.model_name_or_path, **init)
 
@@ -143,6 +178,44 @@ def keep_4bit_differentiable(model) -> int:
             module.support_avx512bf16_for_cpu = False
             switched += 1
     return switched
+def check_trainable(model) -> None:
+    """Raise a ValueError for a 4/8-bit model without a peft adapter: its weights cannot be trained in full."""
+    from accelerate.utils import is_peft_model
+
+    if is_quantized(model) and not is_peft_model(model):
+        raise ValueError("the model is loaded in 4/8 bit (quantization_config) and has no adapter: a quantized base "
+                         "can only be trained through one. Pass peft_config (e.g. a LoraConfig) or "
+                         "ModelConfig(use_peft=True).")
+
+
+def set_router_aux_loss(model, coef: float | None) -> None:
+    """Switch a Mixture-of-Experts model's load-balancing loss on or off, as `trl.SFTTrainer` does.
+
+    The model adds `router_aux_loss_coef * aux_loss` to its own loss when `output_router_logits` is on; TRL turns it
+    on for every MoE model whose coefficient is not 0.
+
+    Args:
+        model: a causal LM, or a `PeftModel` of one.
+        coef: the coefficient; None: the model config's own.
+
+    Raises:
+        ValueError: `coef` is given for a model that is not MoE.
+    """
+    from accelerate.utils import is_peft_model
+
+    base = model.get_base_model() if is_peft_model(model) else model
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    if not hasattr(config, "router_aux_loss_coef"):
+        if coef is not None:
+            raise ValueError(f"router_aux_loss_coef={coef} but {type(base).__name__} is not a Mixture-of-Experts "
+                             "model (its config has no router_aux_loss_coef); leave it None.")
+        return
+    coef = config.router_aux_loss_coef if coef is None else coef
+    config.router_aux_loss_coef = coef
+    if hasattr(base, "router_aux_loss_coef"):  # copied from the config when the model was built
+        base.router_aux_loss_coef = coef
+    if hasattr(config, "output_router_logits"):
+        config.output_router_logits = coef != 0
 
 
 def apply_lora(model: PreTrainedModel, peft_config, gradient_checkpointing: bool = False):

@@ -21,7 +21,13 @@ from .preference import (
     prepare_preference_dataset,
     validate_preference_dataset,
 )
-from .sft import CONVERSATIONAL_FORMATS, detect_format, prepare_sft_dataset, validate_sft_dataset
+from .sft import (
+    CONVERSATIONAL_FORMATS,
+    apply_formatting_func,
+    detect_format,
+    prepare_sft_dataset,
+    validate_sft_dataset,
+)
 from .tokenization import (
     OVERLONG_POLICIES,
     apply_length_policy,
@@ -61,6 +67,7 @@ __all__ = [
     "ROLES",
     "DataValidationError",
     "Verbatim",
+    "apply_formatting_func",
     "apply_length_policy",
     "as_dataset",
     "check_chat_template",

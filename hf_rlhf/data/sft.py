@@ -73,7 +73,8 @@ def detect_format(dataset, text_field: str = "text") -> str:
     raise DataValidationError(
         None, None,
         f"a 'messages' column, 'prompt' and 'completion' columns, or a {text_field!r} column "
-        "(SFTConfig.dataset_text_field)",
+        "(SFTConfig.dataset_text_field); or pass formatting_func=... to SFTTrainer to build each row's text from "
+        "its columns",
         Verbatim(f"columns {columns}"),
     )
 
@@ -103,6 +104,49 @@ def validate_sft_dataset(dataset, fmt: str, text_field: str = "text", *, require
         require_assistant: every `messages` row needs an assistant message (set for assistant_only_loss).
     """
     validate_rows(dataset, sft_row_checks(fmt, text_field, require_assistant=require_assistant))
+
+
+def _format_row(row: dict, index: int, formatting_func, text_field: str) -> dict:
+    text = formatting_func(row)
+    if not isinstance(text, str):
+        raise DataValidationError(
+            index, "formatting_func(row)", "a str: TRL 1.16 calls formatting_func on one row at a time (not on "
+            "batches) and takes the text it returns", text)
+    return {text_field: text}
+
+
+def apply_formatting_func(dataset, formatting_func, text_field: str = "text"):
+    """TRL's `formatting_func`: each row becomes `{text_field: formatting_func(row)}`, before tokenization.
+
+    As in TRL 1.16 it is called per row (not batched) and ignored, with a warning, for tokenized data (`input_ids`).
+    Where TRL would tokenize `messages` or `prompt`/`completion` columns instead of the formatted text (or refuse
+    them with completion-only loss), this is an error: the formatted text would be lost.
+
+    Args:
+        dataset: a `Dataset`, an `IterableDataset` or a list of dict rows.
+        formatting_func: `row (dict) -> str`.
+        text_field: the column the text is written to (`SFTConfig.dataset_text_field`).
+
+    Returns:
+        The dataset with the one column `text_field` (a `Dataset` for a list of rows).
+    """
+    import logging
+
+    columns = column_names(dataset) if isinstance(dataset, list) else dataset.column_names
+    if columns is None:  # a streamed dataset whose features are unknown: its first row
+        columns = list(next(iter(dataset)))
+    if "input_ids" in columns:
+        logging.getLogger("hf_rlhf").warning("formatting_func is ignored: the dataset is tokenized already "
+                                             "(it has input_ids)")
+        return dataset
+    if "messages" in columns or {"prompt", "completion"} <= set(columns):
+        kept = "'messages'" if "messages" in columns else "'prompt' and 'completion'"
+        raise ValueError(f"formatting_func builds plain text, but the dataset has {kept} columns, which are "
+                         "tokenized as they are (TRL ignores the formatted text, or refuses it with completion-only "
+                         "loss). Remove those columns, or drop formatting_func.")
+    data = as_dataset(dataset) if isinstance(dataset, list) else dataset
+    return data.map(_format_row, with_indices=True, remove_columns=columns,
+                    fn_kwargs={"formatting_func": formatting_func, "text_field": text_field})
 
 
 # ---------------------------------------------------------------------------------------------------

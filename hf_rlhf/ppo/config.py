@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from ..config_checks import check_field_types, renamed_options
 from ..configs import DeviceDefaultsMixin, NonFiniteOptions
 from .kl import KL_ESTIMATORS
 
@@ -26,6 +27,7 @@ REWARD_NORMALIZATIONS = ("none", "running", "model_stats")
 PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
 
 
+@renamed_options("init_kl_coef", "adap_kl_ctrl", "target", "horizon")
 @dataclass
 class PPOConfig(NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     """PPO options (a `TrainingArguments`): every Trainer option works as usual.
@@ -144,6 +146,7 @@ class PPOConfig(NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the policy/value."})
 
     def __post_init__(self):
+        check_field_types(self)
         self._resolve_device_defaults()
         super().__post_init__()
         if isinstance(self.stop_token, str) and self.stop_token.lower() == "none":  # from the command line

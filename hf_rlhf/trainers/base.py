@@ -16,17 +16,24 @@ Everything else is `transformers.Trainer`'s own.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import inspect
+import logging
 import os
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, Trainer, set_seed
+from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainingArguments, set_seed
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from ..checkpoints import AtomicCheckpointMixin
+from ..config_checks import check_renamed
 from ..models import apply_lora, lora_config
 from ..nonfinite import NonFiniteGuardMixin
 from ..reward_models import ValueHeadModel, reward_config_of, unwrap_peft
 from .metrics import MetricAccumulator
+
+logger = logging.getLogger("hf_rlhf")
 
 
 class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
@@ -42,22 +49,76 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
     # -- setup -----------------------------------------------------------------------------------
     @classmethod
     def resolve_args(cls, args):
-        """`args`, or a default `config_class(output_dir=default_output_dir)`; a TypeError for another class."""
+        """`args` as a `config_class`: itself; a default `config_class(output_dir=default_output_dir)` for None; or,
+        for another `TrainingArguments` (a plain one, or TRL's config), its fields converted as TRL does
+        (`config_class(**args.to_dict())`, the masked `*_token` fields kept). A field `config_class` lacks is an error when it
+        was set (left at its default, it is dropped)."""
+        config_class = cls.config_class
         if args is None:
-            return cls.config_class(output_dir=cls.default_output_dir)
-        if not isinstance(args, cls.config_class):
-            raise TypeError(f"args must be a {cls.config_class.__name__}, got {type(args).__name__}.")
-        return args
+            return config_class(output_dir=cls.default_output_dir)
+        if isinstance(args, config_class):
+            return args
+        if not isinstance(args, TrainingArguments):
+            raise TypeError(f"args must be a {config_class.__name__} or a TrainingArguments, got "
+                            f"{type(args).__name__}.")
+        values = args.to_dict()
+        # to_dict masks every *_token field ("<HUB_TOKEN>"); TRL restores hub_token, and a TRL config's eos_token /
+        # pad_token are real tokens
+        values.update({k: getattr(args, k) for k in values if k.endswith("_token")})
+        ours = {f.name for f in dataclasses.fields(config_class) if f.init}
+        defaults = {f.name: f.default for f in dataclasses.fields(args) if f.init}
+        foreign = sorted(k for k in values if k not in ours and values[k] != defaults.get(k))
+        if foreign:
+            raise TypeError(f"args is a {type(args).__name__} whose options {foreign} {config_class.__name__} does not "
+                            f"have; pass a {config_class.__name__} (or a plain TrainingArguments).")
+        return config_class(**{k: v for k, v in values.items() if k in ours})
+
+    @classmethod
+    def check_extra_kwargs(cls, kwargs: dict) -> None:
+        """Raise a TypeError for keyword arguments the trainer does not take: an old name (`tokenizer`) names its
+        replacement; any other lists the names the trainer takes."""
+        if not kwargs:
+            return
+        check_renamed(kwargs, cls.__name__)
+        params = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "kwargs")]
+        raise TypeError(f"{cls.__name__} got unexpected arguments {sorted(kwargs)}; it takes {params}.")
 
     @staticmethod
-    def resolve_tokenizer(processing_class, model):
-        """`processing_class`, or the tokenizer saved with `model` (its config's `_name_or_path`)."""
+    def model_init_kwargs(model, args, quantization_config=None) -> dict:
+        """Keyword arguments for `from_pretrained` when `model` is a path, as TRL builds them: `args.model_init_kwargs`,
+        the trainer's `quantization_config` and `args.trust_remote_code`. For a built model they are ignored with a
+        warning (as in TRL) and {} is returned."""
+        given = dict(getattr(args, "model_init_kwargs", None) or {})
+        if not isinstance(model, str):
+            if given or quantization_config is not None:
+                logger.warning("model_init_kwargs / quantization_config are ignored: the model is already built.")
+            return {}
+        if quantization_config is not None:
+            if "quantization_config" in given:
+                raise ValueError("quantization_config is set both as a trainer argument and in "
+                                 "args.model_init_kwargs; set it in one place.")
+            given["quantization_config"] = quantization_config
+        if getattr(args, "trust_remote_code", False):
+            given.setdefault("trust_remote_code", True)
+        return given
+
+    @staticmethod
+    def resolve_tokenizer(processing_class, model, args=None):
+        """`processing_class`, or the tokenizer saved with `model` (its config's `_name_or_path`), loaded with the
+        `revision` of `args.model_init_kwargs` and `args.trust_remote_code` (as TRL)."""
         if processing_class is not None:
             return processing_class
-        return AutoTokenizer.from_pretrained(reward_config_of(model)._name_or_path)
+        kwargs = {}
+        if getattr(args, "trust_remote_code", False):
+            kwargs["trust_remote_code"] = True
+        revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
+        if revision is not None:
+            kwargs["revision"] = revision
+        return AutoTokenizer.from_pretrained(reward_config_of(model)._name_or_path, **kwargs)
 
     @staticmethod
-    def add_peft(model, model_config, args, peft_config=None, task_type: str | None = None):
+    def add_peft(model, model_config, args, peft_config=None, task_type: str | None = None,
+                 prompt_learning: bool = True):
         """`model` with LoRA (or any peft config) applied, when asked; else `model` as it is.
 
         Args:
@@ -68,11 +129,20 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
             args: the trainer's config (`seed` for the adapter init, `activation_checkpointing`).
             peft_config: a peft config; None: from `model_config`.
             task_type: the peft task type of a config built from `model_config`.
+            prompt_learning: whether prompt-learning configs (prompt tuning, p-tuning, prefix tuning) apply; they
+                add virtual tokens before each sequence, which per-token scores and values cannot take.
         """
         if peft_config is None and model_config is not None:
             peft_config = lora_config(model_config, task_type=task_type)
         if peft_config is None:
             return model
+        if getattr(peft_config, "is_prompt_learning", False) and not prompt_learning:
+            kind = type(peft_config).__name__
+            raise ValueError(f"peft_config is a {kind}: prompt learning puts virtual tokens before every sequence, "
+                             "and this trainer reads a score or value at each sequence's own tokens. Use an adapter "
+                             "on the weights instead (LoraConfig, LoraConfig(use_dora=True), IA3Config, ...).")
+        if isinstance(model, ValueHeadModel) and getattr(peft_config, "is_prompt_learning", False):
+            raise ValueError("a prompt-learning peft_config cannot be applied to a ValueHeadModel")
         set_seed(args.seed)  # the adapter init: the same on every rank and in every run (the Trainer seeds later)
         checkpointing = bool(args.activation_checkpointing)
         if isinstance(model, ValueHeadModel):
@@ -91,6 +161,15 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
         # {"train": ..., "eval": ...}: what `log` adds to the Trainer's logs of that mode
         self.metrics = {"train": MetricAccumulator(), "eval": MetricAccumulator()}
         super().__init__(*args, **kwargs)
+        self.activation_offload_context = contextlib.nullcontext()
+        if getattr(self.args, "activation_offloading", False):  # the configs refuse it without CUDA
+            from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+            self.activation_offload_context = get_act_offloading_ctx_manager(model=self.model)
+
+    def training_step(self, *args, **kwargs):
+        with self.activation_offload_context:  # `activation_offloading`: saved activations go to CPU memory
+            return super().training_step(*args, **kwargs)
 
     def logged_metrics(self, mode: str, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
         """What is logged from the accumulated (sum, weight) totals of `mode`; default: each sum / weight."""

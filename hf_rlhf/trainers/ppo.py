@@ -26,7 +26,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForSequenceClassification, set_seed
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
 from ..collators import PaddingCollator
 from ..configs import DataOptions, ModelConfig
@@ -83,6 +83,14 @@ class PPOTrainer(BaseTrainer):
         peft_config / model_config: LoRA for the policy (`peft_config`, or from `model_config.use_peft`).
         ptx_dataset: language-modelling data (any SFT format) for `PPOConfig.ptx_coef`.
         callbacks: more `TrainerCallback`s.
+        optimizers: (optimizer, scheduler), as for `Trainer`.
+        data_collator, eval_dataset: trl 1.12's names, taken so its scripts run: prompts are batched and
+            left-padded by the rollout itself, so only None or a `DataCollatorWithPadding` (unused) is accepted, and
+            there is no evaluation loop (eval_dataset must be None).
+
+    trl 1.12's `trl.experimental.ppo.PPOTrainer` keywords all work (`args`, `processing_class`, `model`,
+    `ref_model`, `reward_model`, `train_dataset`, `value_model`, `data_collator`, `eval_dataset`, `optimizers`,
+    `callbacks`, `peft_config`); its positional order is not kept (`model` and `reward_model` come first here).
 
     Override points for subclasses:
         `compute_rewards(prompts, completions, **columns) -> (B,)`: the scores of each rollout batch (default:
@@ -103,12 +111,20 @@ class PPOTrainer(BaseTrainer):
 
     def __init__(self, model, reward_model, args: PPOConfig | None = None, train_dataset=None, processing_class=None,
                  value_model=None, ref_model=None, reward_processing_class=None, peft_config=None,
-                 model_config: ModelConfig | None = None, ptx_dataset=None, callbacks=None, **kwargs):
+                 model_config: ModelConfig | None = None, ptx_dataset=None, callbacks=None, optimizers=(None, None),
+                 data_collator=None, eval_dataset=None, **kwargs):
+        self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
         if train_dataset is None:
             raise ValueError("PPOTrainer needs a train_dataset of prompts.")
-        if kwargs.get("eval_dataset") is not None or args.eval_strategy != "no":
+        if ref_model is not None and ref_model is model:
+            raise ValueError("model and ref_model are the same object: pass None (a frozen copy is made, or the "
+                             "adapters are switched off for a PeftModel) or a separate copy.")
+        if data_collator is not None and not isinstance(data_collator, DataCollatorWithPadding):
+            raise ValueError("PPOTrainer batches and left-pads the prompts itself for generation; data_collator "
+                             f"(a {type(data_collator).__name__}) would not be used. Leave it None.")
+        if eval_dataset is not None or args.eval_strategy != "no":
             raise NotImplementedError("PPOTrainer has no evaluation loop: leave eval_strategy='no' and evaluate the "
                                       "policy (trainer.model.policy) in a callback, e.g. with hf_rlhf.toy.exact_match.")
         set_seed(args.seed)  # as the Trainer does, but before the value head (and a value adapter) are initialised
@@ -118,7 +134,7 @@ class PPOTrainer(BaseTrainer):
             processing_class.pad_token = processing_class.eos_token
         if processing_class.pad_token is None:
             raise ValueError("the policy tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
-        policy = self.add_peft(policy, model_config, args, peft_config)
+        policy = self.add_peft(policy, model_config, args, peft_config, prompt_learning=False)
         module, ref_model = self._build_models(policy, value_model, ref_model, args)
 
         reward_source = build_reward_source(reward_model, reward_processing_class, device=args.device,
@@ -135,7 +151,7 @@ class PPOTrainer(BaseTrainer):
         if args.reward_normalization == "running":
             own.append(RewardStatsCallback())
         super().__init__(model=module, args=args, train_dataset=train_dataset, processing_class=processing_class,
-                         callbacks=own + list(callbacks or []), **kwargs)
+                         callbacks=own + list(callbacks or []), optimizers=optimizers)
 
         self.ref_model = self._prepare_frozen(ref_model)
         if isinstance(reward_source, ModelReward):

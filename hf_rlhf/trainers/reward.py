@@ -19,14 +19,14 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, TrainingArguments
 
 from ..collators import PairwiseCollator
 from ..configs import ModelConfig, RewardConfig
 from ..data import ensure_pad_token, main_process_first_if_cached, prepare_preference_dataset
 from ..data.streaming import check_streamed_training, is_streamed
 from ..losses import pairwise_metric_sums, pairwise_reward_loss
-from ..models import resolve_model
+from ..models import check_trainable, resolve_model
 from ..packing_check import check_packing_exact
 from ..reward_models import (
     ValueHeadModel,
@@ -50,23 +50,30 @@ _LOSS_ONLY_KEYS = ("margin", "last_token_index")  # batch keys the model does no
 class RewardTrainer(BaseTrainer):
     """Train a reward model on preference pairs (`chosen` / `rejected`, optional `prompt` and `margin`).
 
+    Takes `trl.RewardTrainer`'s (1.16) arguments, in its order and with its names, plus `model_config` (by keyword).
+
     Args:
         model: a hub id or local path (loaded as a sequence-classification model with one label, through
-            `model_config`), a sequence-classification `PreTrainedModel`, a `ValueHeadModel`, or a `PeftModel`.
-        args: a `RewardConfig`.
+            `model_config` and `args.model_init_kwargs`), a sequence-classification `PreTrainedModel`, a
+            `ValueHeadModel`, or a `PeftModel`.
+        args: a `RewardConfig`, or any `TrainingArguments` (converted to a `RewardConfig` as TRL does).
+        data_collator: default: `PairwiseCollator` (padded, padding-free or prefix-shared).
         train_dataset / eval_dataset: preference rows in any supported format (see `hf_rlhf.data.preference`),
             or tokenized rows (`chosen_ids`, `rejected_ids`), as a `datasets.Dataset` or a streamed
             `datasets.IterableDataset` (validated and tokenized row by row as it streams; training on a stream
             needs `max_steps`); eval: also a dict of them.
         processing_class: the tokenizer. Default: loaded from the model's path.
-        peft_config: a `peft.LoraConfig`; default: built from `model_config` when `use_peft` is set.
-        model_config: how to load `model` when it is a string, and the LoRA / QLoRA options.
         compute_metrics: extra evaluation metrics from an `EvalPrediction` shaped as TRL 1.16 gives it:
             `predictions` (2N, 1), per eval batch of B pairs its B chosen rewards then its B rejected ones;
             `label_ids` an empty tuple. Accuracy, margin and min / mean / max reward are always reported. As in TRL,
             when the eval set's size is not a multiple of the eval batch size, accelerate's `gather_for_metrics`
             keeps only the first rows of the last batch's predictions (it counts pairs, the batch holds 2 rows
             per pair): the logged eval metrics are exact, `predictions` then lack that batch's last rejected ones.
+        callbacks, optimizers, optimizer_cls_and_kwargs, preprocess_logits_for_metrics: as for `Trainer`.
+        quantization_config: a `BitsAndBytesConfig` for a model given as a path (needs a peft adapter to train).
+        peft_config: a peft config that adapts weights (LoRA, DoRA, IA3, ...; prompt learning is refused: the
+            reward is read at each sequence's own last token); default: LoRA from `model_config.use_peft`.
+        model_config: how to load `model` when it is a string, and the LoRA / QLoRA options.
 
     Example:
         >>> trainer = RewardTrainer("path/to/sft-model", args=RewardConfig(output_dir="rm"),
@@ -79,20 +86,25 @@ class RewardTrainer(BaseTrainer):
     feature_columns = ("chosen_ids", "rejected_ids", "margin")  # what PairwiseCollator reads
     loss_is_scaled_for_ga = False  # the loss is a mean over the batch's pairs; the Trainer divides by GA steps
 
-    def __init__(self, model, args: RewardConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, data_collator=None, peft_config=None,
-                 model_config: ModelConfig | None = None, compute_metrics=None, callbacks=None, **kwargs):
+    def __init__(self, model, args: RewardConfig | TrainingArguments | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
+                 quantization_config=None, peft_config=None, *, model_config: ModelConfig | None = None, **kwargs):
+        self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
-        model, model_config = resolve_model(model, model_config, AutoModelForSequenceClassification, num_labels=1)
+        init_kwargs = {"num_labels": 1, **self.model_init_kwargs(model, args, quantization_config)}
+        model, model_config = resolve_model(model, model_config, AutoModelForSequenceClassification, **init_kwargs)
         find_score_head(model)  # a model that cannot give one reward per sequence fails here, not mid-training
-        processing_class = self.resolve_tokenizer(processing_class, model)
+        processing_class = self.resolve_tokenizer(processing_class, model, args)
         if args.pad_token is not None or not args.padding_free:
             ensure_pad_token(processing_class, args.pad_token)
         reward_config_of(model).pad_token_id = processing_class.pad_token_id
         self._check_layout(model, args)
         # SEQ_CLS: peft trains and saves `score` with the adapter; a ValueHeadModel's head stays outside it
         model = self.add_peft(model, model_config, args, peft_config,
-                              task_type="CAUSAL_LM" if isinstance(model, ValueHeadModel) else "SEQ_CLS")
+                              task_type="CAUSAL_LM" if isinstance(model, ValueHeadModel) else "SEQ_CLS",
+                              prompt_learning=False)
+        check_trainable(model)
         if args.disable_dropout:
             disable_dropout(model)
         if args.packing_check and (args.padding_free or args.prefix_sharing):  # refuse a layout the model breaks
@@ -111,9 +123,11 @@ class RewardTrainer(BaseTrainer):
                 pad_to_multiple_of=args.pad_to_multiple_of,
                 return_flash_attention_kwargs=args.padding_free and attn.startswith("flash_attention"))
 
-        super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, data_collator=data_collator,
-                         compute_metrics=compute_metrics, callbacks=callbacks, **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+                         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         self.label_names = []  # no labels: prediction_step makes its own
         self._score_head = find_score_head(self.model)  # after peft: the wrapped head
         self._eager = getattr(reward_config_of(self.model), "_attn_implementation", None) == "eager"

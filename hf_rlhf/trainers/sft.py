@@ -11,14 +11,23 @@ else — optimizers, schedulers, accumulation, checkpoints, DeepSpeed — is the
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 
 import torch
+from transformers import TrainingArguments
 
 from ..collators import PackingCollator, PaddingCollator
-from ..configs import ModelConfig, SFTConfig
-from ..data import ensure_pad_token, main_process_first_if_cached, prepare_sft_dataset, resolve_chat_template
+from ..configs import ModelConfig, SFTConfig, SFTDataOptions
+from ..data import (
+    apply_formatting_func,
+    ensure_pad_token,
+    main_process_first_if_cached,
+    prepare_sft_dataset,
+    resolve_chat_template,
+)
 from ..data.streaming import check_streamed_training, first_rows, is_streamed, stream_columns
-from ..models import resolve_model
+from ..losses import dft_compute_loss_func
+from ..models import check_trainable, resolve_model, set_router_aux_loss
 from ..packing_check import check_packing_exact
 from .base import BaseTrainer
 from .metrics import real_token_count
@@ -30,11 +39,12 @@ def token_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[t
     """Correct next-token predictions and predicted tokens.
 
     Args:
-        logits: (B, T, V) causal LM logits.
+        logits: (B, T', V) causal LM logits, T' >= T (virtual tokens of prompt learning first, skipped).
         labels: (B, T) with -100 where no loss is taken.
     Returns:
         (correct, total): 0-dim long tensors, over positions whose shifted label is not -100.
     """
+    logits = logits[..., -labels.shape[-1]:, :]  # prompt-learning adapters put virtual tokens first
     pred = logits[..., :-1, :].argmax(dim=-1)
     target = labels[..., 1:]
     mask = target != -100
@@ -89,15 +99,25 @@ def is_packed_batch(inputs: dict) -> bool:
 class SFTTrainer(BaseTrainer):
     """Supervised fine-tuning on `text`, `prompt`/`completion` or conversational (`messages`) data.
 
+    Takes `trl.SFTTrainer`'s (1.16) arguments, in its order and with its names, plus `model_config` (by keyword).
+
     Args:
-        model: a hub id or local path (loaded with `model_config`), a `PreTrainedModel`, or a `PeftModel`.
-        args: an `SFTConfig`.
+        model: a hub id or local path (loaded with `model_config` and `args.model_init_kwargs`), a
+            `PreTrainedModel`, or a `PeftModel`.
+        args: an `SFTConfig`, or any `TrainingArguments` (converted to an `SFTConfig` as TRL does).
+        data_collator: default: padded batches, or padding-free / packed rows (`PaddingCollator`,
+            `PackingCollator`).
         train_dataset / eval_dataset: raw rows in any supported format, or already tokenized rows
             (with `input_ids`), as a `datasets.Dataset` or a streamed `datasets.IterableDataset` (eval: also a dict
             of them). A streamed train set needs `max_steps`; it is tokenized, validated row by row and (with
             `packing`) packed on the fly as it streams (`hf_rlhf.data.streaming`).
         processing_class: the tokenizer. Default: loaded from the model's path.
-        peft_config: a `peft.LoraConfig`; default: built from `model_config` when `use_peft` is set.
+        compute_loss_func, compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics: as for `transformers.Trainer`.
+        quantization_config: a `BitsAndBytesConfig` for a model given as a path (needs a peft adapter to train).
+        peft_config: any peft config (LoRA, DoRA, IA3, prompt tuning, p-tuning, prefix tuning, ...); default: a
+            LoRA config built from `model_config` when `use_peft` is set.
+        formatting_func: `row -> str`, applied to each row before tokenization (as TRL): the text to train on.
         model_config: how to load `model` when it is a string, and the LoRA / QLoRA options.
 
     Example:
@@ -111,26 +131,49 @@ class SFTTrainer(BaseTrainer):
     # columns the collators read; the Trainer's remove_unused_columns must keep them
     feature_columns = ("input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths", "position_ids")
 
-    def __init__(self, model, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, data_collator=None, peft_config=None,
-                 model_config: ModelConfig | None = None, callbacks=None, **kwargs):
+    def __init__(self, model, args: SFTConfig | TrainingArguments | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_loss_func=None,
+                 compute_metrics=None, callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None, formatting_func=None,
+                 *, model_config: ModelConfig | None = None, **kwargs):
+        self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
-        model, model_config = resolve_model(model, model_config)
-        processing_class = self.resolve_tokenizer(processing_class, model)
+        model, model_config = resolve_model(model, model_config,
+                                            **self.model_init_kwargs(model, args, quantization_config))
+        processing_class = self.resolve_tokenizer(processing_class, model, args)
         resolve_chat_template(processing_class, args.chat_template_path)
-        if args.pad_token is not None or not (args.packing or args.padding_free):
+        packs = args.packing or args.padding_free or bool(args.eval_packing)
+        if args.pad_token is not None or not packs:
             ensure_pad_token(processing_class, args.pad_token)
         model = self.add_peft(model, model_config, args, peft_config)
+        check_trainable(model)
+        set_router_aux_loss(model, args.router_aux_loss_coef)
+        if args.loss_type == "dft":
+            if compute_loss_func is not None:
+                raise ValueError("loss_type='dft' sets the loss; a compute_loss_func cannot be given with it "
+                                 "(as in TRL).")
+            compute_loss_func = dft_compute_loss_func
+        if formatting_func is not None and args.completion_only_loss:
+            raise ValueError("formatting_func makes plain text, which has no completion to restrict the loss to; "
+                             "set completion_only_loss to None or False, or format the dataset yourself (as TRL).")
 
-        train_dataset = self._prepare(train_dataset, processing_class, args, "train")
+        def prepare(dataset, name, packing):
+            if dataset is not None and formatting_func is not None and not args.skip_prepare_dataset:
+                dataset = apply_formatting_func(dataset, formatting_func, args.dataset_text_field)
+            if args.skip_prepare_dataset:
+                return self._check_skipped(dataset, name, data_collator)
+            return self._prepare(dataset, processing_class, args, name, packing=packing)
+
+        train_dataset = prepare(train_dataset, "train", args.packing)
+        eval_packing = args.packing if args.eval_packing is None else args.eval_packing
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: self._prepare(v, processing_class, args, f"eval[{k}]") for k, v in eval_dataset.items()}
+            eval_dataset = {k: prepare(v, f"eval[{k}]", eval_packing) for k, v in eval_dataset.items()}
         else:
-            eval_dataset = self._prepare(eval_dataset, processing_class, args, "eval")
+            eval_dataset = prepare(eval_dataset, "eval", eval_packing)
 
-        self.packed = args.packing or args.padding_free
+        self.packed = packs
         if self.packed and args.packing_check:  # refuse an architecture whose packed sequences would see each other
-            check_packing_exact(model, "packing" if args.packing else "padding_free")
+            check_packing_exact(model, "packing" if args.packing or args.eval_packing else "padding_free")
         if data_collator is None:
             data_collator = self._default_collator(model, processing_class, args)
         if self.packed:
@@ -138,28 +181,46 @@ class SFTTrainer(BaseTrainer):
             # each other silently; compute_loss also passes use_cache=False per batch
             model.config.use_cache = False
 
-        super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, data_collator=data_collator, callbacks=callbacks,
-                         **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
+                         optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         self._num_tokens = 0  # real tokens trained on so far (TRL's `num_tokens`)
 
     # -- setup ---------------------------------------------------------------------------------
     @staticmethod
-    def _prepare(dataset, tokenizer, args, name):
+    def _check_skipped(dataset, name, data_collator):
+        # dataset_kwargs={"skip_prepare_dataset": True}: rows reach the collator as they are
+        if dataset is not None and data_collator is None and "input_ids" not in (dataset.column_names or []):
+            raise ValueError(f"dataset_kwargs skip_prepare_dataset=True: the {name} dataset goes to the collator "
+                             "untokenized, so it needs an input_ids column (or pass a data_collator that tokenizes).")
+        return dataset
+
+    @staticmethod
+    def _prepare(dataset, tokenizer, args, name, packing: bool | None = None):
         if dataset is None:
             return None
         if name == "train":
             check_streamed_training(args, dataset)
+        packing = args.packing if packing is None else packing
         streamed = is_streamed(dataset)
         columns = stream_columns(dataset, first_rows(dataset)[0]) if streamed else dataset.column_names
         if "input_ids" in columns:
             prepared = dataset
         else:
+            options = args
+            if packing and args.packing_strategy != "bfd":
+                # bfd_split / wrapped pack the overflow of a long example instead of cutting it (as TRL)
+                options = SFTDataOptions(**{**{f.name: getattr(args, f.name) for f in fields(SFTDataOptions)},
+                                            "max_length": None})
             with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
-                prepared = prepare_sft_dataset(dataset, tokenizer, args)
+                prepared = prepare_sft_dataset(dataset, tokenizer, options)
             if not streamed:
                 logger.info("%s dataset: %d rows tokenized", name, len(prepared))
-        if args.packing:
+        if args.shuffle_dataset:  # before packing too, as TRL: which examples share a row is then random
+            prepared = prepared.shuffle(seed=args.seed)
+        if packing:
             from trl.data_utils import pack_dataset
 
             # a stream is packed on the fly, as TRL's: best-fit decreasing within each window of 1000 examples
@@ -167,13 +228,13 @@ class SFTTrainer(BaseTrainer):
             if not streamed:
                 logger.info("%s dataset: %d examples packed into %d rows of <= %d tokens",
                             name, len(prepared), len(packed), args.max_length)
-            prepared = packed
+            prepared = packed.shuffle(seed=args.seed) if args.shuffle_dataset else packed
         return prepared
 
     @staticmethod
     def _default_collator(model, tokenizer, args):
         completion_only = args.completion_only_loss is not False
-        if args.packing or args.padding_free:
+        if args.packing or args.padding_free or args.eval_packing:
             attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
             flash = attn.startswith("flash_attention")
             return PackingCollator(completion_only_loss=completion_only,
