@@ -168,15 +168,6 @@ def _question_answer(n: int, seed: int) -> Dataset:
     return Dataset.from_dict({"question": rows["prompt"], "answer": rows["completion"]})
 
 
-def _formatting_func_landed() -> bool:
-    import inspect
-
-    return "formatting_func" in inspect.signature(hf_rlhf.SFTTrainer.__init__).parameters
-
-
-@pytest.mark.xfail(not _formatting_func_landed(), strict=True, raises=(TypeError, ValueError),
-                   reason="SFTTrainer(formatting_func=...) is added by the TRL-signatures work (issue 14 part A), "
-                          "not yet merged into this branch")
 def test_sft_formatting_func(tmp_path, tokenizer, model_dirs):
     run_both(sft_script, tmp_path, model_dirs["lm"], tokenizer, _question_answer(24, 0), _question_answer(8, 1),
              formatting_func=lambda row: f"{row['question']}{row['answer']}")
