@@ -27,6 +27,7 @@ import trl
 from transformers import TrainingArguments
 
 from .imports import is_flash_attn_available
+from .option_ranges import check_option_ranges
 
 
 def _cuda_available() -> bool:
@@ -227,6 +228,7 @@ class DeviceDefaultsMixin:
     """Resolve `bf16` / `activation_checkpointing` left as None from the device (see module docstring)."""
 
     def _resolve_device_defaults(self):
+        check_option_ranges(self)  # every config's __post_init__ starts here: options are checked before any work
         if self.bf16 is None:
             self.bf16 = (not self.fp16) and _cuda_bf16() and not self.use_cpu
         if self.gradient_checkpointing is None and self.activation_checkpointing is None:
