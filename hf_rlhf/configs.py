@@ -113,7 +113,21 @@ OVERLONG_CHOICES = ["truncate", "drop", "error"]
 
 
 @dataclass
-class DataOptions:
+class InputCheckOptions:
+    """How strict the up-front input checks are (`hf_rlhf.data.check_unknown_tokens`); in every trainer config.
+
+    Args:
+        max_unk_share: a row with more than this share of the tokenizer's unknown token cannot be represented by it.
+        strict: such rows are an error (naming the first); else their count is logged as a warning.
+    """
+
+    max_unk_share: float = field(
+        default=0.1, metadata={"help": "Largest share of unknown tokens a row may have before it is reported."})
+    strict: bool = field(default=False, metadata={"help": "Rows above max_unk_share are an error, not a warning."})
+
+
+@dataclass
+class DataOptions(InputCheckOptions):
     """Dataset preparation options shared by SFT and reward data (mixed into `SFTConfig` and `RewardConfig`).
 
     Usable alone where no trainer config exists, e.g. `DataOptions(max_length=None)` for PPO's ptx data.
@@ -142,6 +156,8 @@ class DataOptions:
         name = type(self).__name__
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"{name}.max_length must be >= 2, got {self.max_length}.")
+        if not 0 <= self.max_unk_share <= 1:
+            raise ValueError(f"{name}.max_unk_share must be in [0, 1], got {self.max_unk_share}.")
         if self.overlong_policy not in OVERLONG_CHOICES:
             raise ValueError(f"{name}.overlong_policy={self.overlong_policy!r}; expected one of {OVERLONG_CHOICES}.")
         parent = getattr(super(), "__post_init__", None)

@@ -21,6 +21,7 @@ from .tokenization import (
     apply_length_policy,
     check_chat_template,
     check_overlong_policy,
+    check_unknown_tokens,
     eos_token_id,
     resolve_chat_template,
     special_prefix,
@@ -205,5 +206,6 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
         num_proc=opts.dataset_num_proc, desc="Tokenizing SFT dataset")
     field = {"text": opts.dataset_text_field, "prompt_completion": "prompt+completion",
              "conversational": "messages", "conversational_prompt_completion": "prompt+completion"}[fmt]
+    check_unknown_tokens(tokenized, ("input_ids",), tokenizer, opts.max_unk_share, opts.strict, field)
     tokenized, stats = apply_length_policy(tokenized, opts.max_length, opts.overlong_policy, field)
     return (tokenized, stats) if return_stats else tokenized

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from datasets import Dataset
 
 ROLES = ("system", "user", "assistant", "tool")
+SPOKEN_ROLES = ("user", "assistant")  # turns that must say something (a system or tool message may be empty)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def is_conversational_column(data, column: str) -> bool:
 
 
 def check_text(row: int, field: str, value) -> None:
-    """Check that `value` is a non-empty string.
+    """Check that `value` is a string with some non-whitespace text.
 
     Args:
         row: the row's index (for the error).
@@ -183,6 +184,8 @@ def check_text(row: int, field: str, value) -> None:
         raise DataValidationError(row, field, expected, MISSING)
     if not isinstance(value, str) or not value:
         raise DataValidationError(row, field, expected, value)
+    if value.isspace():  # tokenizes to (almost) nothing: a row that would be trained on silently
+        raise DataValidationError(row, field, "text that is not only whitespace", value)
 
 
 def check_messages(row: int, field: str, value, require_assistant: bool = False) -> None:
@@ -210,8 +213,12 @@ def check_messages(row: int, field: str, value, require_assistant: bool = False)
             raise DataValidationError(row, f"{where}.role", "one of " + ", ".join(map(repr, ROLES)),
                                       MISSING if role is ABSENT else role)
         content = message.get("content", ABSENT)
-        if not isinstance(content, str) and not (role == "assistant" and message.get("tool_calls")):
+        tool_call = role == "assistant" and message.get("tool_calls")
+        if not isinstance(content, str) and not tool_call:
             raise DataValidationError(row, f"{where}.content", "a string", MISSING if content is ABSENT else content)
+        if role in SPOKEN_ROLES and not tool_call and (not content or content.isspace()):
+            raise DataValidationError(row, f"{where}.content", f"a {role} turn with text (not empty or only "
+                                      "whitespace)", content)
     if require_assistant and not any(m["role"] == "assistant" for m in value):
         roles = [m["role"] for m in value]
         raise DataValidationError(row, field, "at least one 'assistant' message", Verbatim(f"roles {roles}"))
