@@ -5,6 +5,7 @@
                      tokenization, the over-long policy
     sft.py           SFT formats and `prepare_sft_dataset`
     preference.py    preference-pair formats and `prepare_preference_dataset`
+    raw_files.py     .json / .jsonl files read as written before `datasets` loads them (file errors with the line)
 
 Both entry points take a `DataOptions` (`hf_rlhf.configs`): a trainer config, which is one, or a plain
 `DataOptions(...)`. Every row is validated before anything is tokenized, so a bad row fails in seconds with
@@ -20,6 +21,7 @@ from .preference import (
     prepare_preference_dataset,
     validate_preference_dataset,
 )
+from .raw_files import DataFileError, check_raw_file, read_json_rows
 from .sft import CONVERSATIONAL_FORMATS, detect_format, prepare_sft_dataset, validate_sft_dataset
 from .tokenization import (
     OVERLONG_POLICIES,
@@ -59,6 +61,7 @@ __all__ = [
     "OVERLONG_POLICIES",
     "PREFERENCE_FORMATS",
     "ROLES",
+    "DataFileError",
     "DataValidationError",
     "Verbatim",
     "apply_length_policy",
@@ -68,6 +71,7 @@ __all__ = [
     "check_messages",
     "check_not_empty",
     "check_overlong_policy",
+    "check_raw_file",
     "check_shared_prompt",
     "check_text",
     "check_token_ids",
@@ -82,6 +86,7 @@ __all__ = [
     "main_process_first_if_cached",
     "prepare_preference_dataset",
     "prepare_sft_dataset",
+    "read_json_rows",
     "resolve_chat_template",
     "special_prefix",
     "tokenize_prompt_completion",

@@ -62,18 +62,19 @@ class DataValidationError(ValueError):
         field: the field (column, or a path such as "messages[1].role"), or None.
         expected: what the field should hold, as a phrase ("a non-empty string").
         got: the value found (repr'd and shortened; a `Verbatim` is shown as written); left out when not given.
+        source: where the row is in its file ("data.jsonl, line 4"), or None.
     """
 
-    def __init__(self, row: int | None, field: str | None, expected: str, got=_NOT_GIVEN):
-        self.row, self.field, self.expected, self.got = row, field, expected, got
-        where = ", ".join(p for p in (row is not None and f"row {row}", field and f"field {field!r}") if p)
+    def __init__(self, row: int | None, field: str | None, expected: str, got=_NOT_GIVEN, source: str | None = None):
+        self.row, self.field, self.expected, self.got, self.source = row, field, expected, got, source
+        where = ", ".join(p for p in (source, row is not None and f"row {row}", field and f"field {field!r}") if p)
         message = f"expected {expected}"
         if got is not _NOT_GIVEN:
             message += f", got {got!r}" if isinstance(got, Verbatim) else f", got {_short_repr(got)}"
         super().__init__(f"{where}: {message}" if where else message)
 
     def __reduce__(self):
-        return (type(self), (self.row, self.field, self.expected, self.got))
+        return (type(self), (self.row, self.field, self.expected, self.got, self.source))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -159,6 +159,9 @@ class SFTTrainer(BaseTrainer):
         tokens = totals.get("num_tokens", (0.0, 0.0))[0]
         if mode == "train" and tokens > 0:
             now = time.perf_counter()
+            if self._num_tokens is None:  # the run's first log: go on from a resumed checkpoint's count
+                counts = [h["num_tokens"] for h in self.state.log_history if "num_tokens" in h]
+                self._num_tokens = counts[-1] if counts else 0
             self._num_tokens += tokens
             logs["num_tokens"] = self._num_tokens
             logs["tokens_per_second"] = tokens / max(now - self._last_log, 1e-9)
@@ -167,4 +170,5 @@ class SFTTrainer(BaseTrainer):
 
     def train(self, *args, **kwargs):
         self._last_log = time.perf_counter()
+        self._num_tokens = None  # set at the first log, from the log history a resumed checkpoint brings back
         return super().train(*args, **kwargs)
