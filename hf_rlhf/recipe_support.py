@@ -201,6 +201,58 @@ class PromptData:
     timings: dict = field(default_factory=dict)
 
 
+def check_ppo_options(script_args, model_config, options: set[str], toy: bool) -> None:
+    """Refuse PPO recipe options that cannot make a run, before anything is loaded.
+
+    Args:
+        script_args: the recipe's options (`reward_source`, `reward_function`, `reward_model_path`).
+        model_config: `model_name_or_path`.
+        options: the `--option` names on the command line (`given_options`).
+        toy: the run is the embedded toy task (no `dataset_name`).
+
+    Raises:
+        RecipeOptionError: naming the missing option.
+    """
+    if toy:
+        if model_config.model_name_or_path is not None and not options & {"--config", "--dataset_name"}:
+            raise RecipeOptionError(
+                f"recipes/ppo.py: --model_name_or_path {model_config.model_name_or_path} needs --dataset_name (the "
+                "prompts) and a reward (--reward_model_path, or --reward_source function --reward_function "
+                "module:function); with neither --model_name_or_path nor --dataset_name the recipe runs the toy task")
+        return
+    if model_config.model_name_or_path is None:
+        raise RecipeOptionError("recipes/ppo.py: --dataset_name needs the policy to train: give --model_name_or_path")
+    if script_args.reward_source == "function" and not script_args.reward_function:
+        raise RecipeOptionError("recipes/ppo.py: --reward_source function needs --reward_function module:function")
+    if script_args.reward_source == "model" and not script_args.reward_model_path:
+        raise RecipeOptionError("recipes/ppo.py: a run on --dataset_name needs a reward: give --reward_model_path "
+                                "(a reward model), or --reward_source function --reward_function module:function")
+
+
+def load_prompt_data(script_args, model_config, args) -> PromptData:
+    """PPO prompts read, checked and tokenized before any model is loaded (only the policy's config is read).
+
+    Args:
+        script_args: `dataset_name` and its splits, `eval_size` (held-out prompts kept).
+        model_config: the policy (its tokenizer and `max_position_embeddings`).
+        args: a `PPOConfig` (`max_prompt_length`, `prompt_overlong_policy`, `response_length`).
+    """
+    from transformers import AutoConfig
+
+    from .models import load_tokenizer
+    from .ppo.loader import prepare_prompt_dataset, validate_prompt_dataset
+
+    train, test = load_text_dataset(script_args, lambda rows: validate_prompt_dataset(rows))
+    if test is not None:
+        test = validate_prompt_dataset(test)[0]
+        test = test.select(range(min(len(test), script_args.eval_size)))
+    config = AutoConfig.from_pretrained(model_config.model_name_or_path, revision=model_config.model_revision,
+                                        trust_remote_code=model_config.trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    train = prepare_prompt_dataset(train, load_tokenizer(model_config), args, max_positions=positions)
+    return PromptData(train, test)
+
+
 def load_reward_function(spec: str) -> Callable:
     """The function named by `spec`, "package.module:function"."""
     module, _, name = (spec or "").partition(":")

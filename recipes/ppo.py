@@ -26,8 +26,8 @@ from trl.models.utils import unwrap_model_for_generation
 from hf_rlhf import ModelConfig, PPOConfig, PPOTrainer
 from hf_rlhf.callbacks import NonFiniteStopCallback, PlotCallback, SampleCompletionsCallback
 from hf_rlhf.recipe_support import (
-    KL_BAND, PromptData, RecipeOptionError, evaluate_completions, exit_after_nonfinite_stop, given_options,
-    kl_summary, load_reward_function, load_text_dataset, parse_recipe_args, print_kl, print_outputs, resume_argument,
+    KL_BAND, PromptData, check_ppo_options, evaluate_completions, exit_after_nonfinite_stop, given_options,
+    kl_summary, load_prompt_data, load_reward_function, parse_recipe_args, print_kl, print_outputs, resume_argument,
     run_recipe, train_run, write_results,
 )
 from hf_rlhf.toy.chain import ToyChainArguments, is_toy_run, toy_chain
@@ -53,49 +53,6 @@ class ScriptArguments(trl.ScriptArguments):
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (None: torch's)."})
 
 
-def check_run_options(script_args, model_config, options: set[str]) -> None:
-    """Refuse options that cannot make a run, before anything is loaded.
-
-    Args:
-        options: the `--option` names on the command line (`given_options`).
-
-    Raises:
-        RecipeOptionError: naming the missing option.
-    """
-    if is_toy_run(script_args):
-        if model_config.model_name_or_path is not None and not options & {"--config", "--dataset_name"}:
-            raise RecipeOptionError(
-                f"recipes/ppo.py: --model_name_or_path {model_config.model_name_or_path} needs --dataset_name (the "
-                "prompts) and a reward (--reward_model_path, or --reward_source function --reward_function "
-                "module:function); with neither --model_name_or_path nor --dataset_name the recipe runs the toy task")
-        return
-    if model_config.model_name_or_path is None:
-        raise RecipeOptionError("recipes/ppo.py: --dataset_name needs the policy to train: give --model_name_or_path")
-    if script_args.reward_source == "function" and not script_args.reward_function:
-        raise RecipeOptionError("recipes/ppo.py: --reward_source function needs --reward_function module:function")
-    if script_args.reward_source == "model" and not script_args.reward_model_path:
-        raise RecipeOptionError("recipes/ppo.py: a run on --dataset_name needs a reward: give --reward_model_path "
-                                "(a reward model), or --reward_source function --reward_function module:function")
-
-
-def load_prompts(script_args, model_config, args: PPOConfig) -> PromptData:
-    """The prompt dataset read, checked and tokenized before any model is loaded (only the policy's config is)."""
-    from transformers import AutoConfig
-
-    from hf_rlhf.models import load_tokenizer
-    from hf_rlhf.ppo.loader import prepare_prompt_dataset, validate_prompt_dataset
-
-    train, test = load_text_dataset(script_args, lambda rows: validate_prompt_dataset(rows))
-    if test is not None:
-        test = validate_prompt_dataset(test)[0]
-        test = test.select(range(min(len(test), script_args.eval_size)))
-    config = AutoConfig.from_pretrained(model_config.model_name_or_path, revision=model_config.model_revision,
-                                        trust_remote_code=model_config.trust_remote_code)
-    positions = getattr(config, "max_position_embeddings", None)
-    train = prepare_prompt_dataset(train, load_tokenizer(model_config), args, max_positions=positions)
-    return PromptData(train, test)
-
-
 def build_callbacks(script_args, args: PPOConfig, data: PromptData) -> list:
     callbacks = [NonFiniteStopCallback()]
     if script_args.sample_prompts > 0 and data.held_out is not None:
@@ -114,11 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
         (ScriptArguments, ToyChainArguments, ModelConfig, PPOConfig), argv, TOY_CONFIG)
     if script_args.num_threads:
         torch.set_num_threads(script_args.num_threads)
-    check_run_options(script_args, model_config, given_options(argv))
+    check_ppo_options(script_args, model_config, given_options(argv), is_toy_run(script_args))
     resume = resume_argument(args.resume_from_checkpoint)
     # the toy task builds its missing SFT policy / reward model first and sets model_name_or_path
     data = toy_chain(script_args, toy_args, model_config, RECIPES) if is_toy_run(script_args) \
-        else load_prompts(script_args, model_config, args)
+        else load_prompt_data(script_args, model_config, args)
     if model_config.model_name_or_path is None:
         raise ValueError("give the policy with --model_name_or_path")
     if script_args.reward_source == "function":
