@@ -25,7 +25,7 @@ def _loads(text: str, path: str, line: int) -> dict:
     try:
         row = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataFileError(f"{path}, line {line}: expected a JSON object, got invalid JSON ({e.msg} at column "
+        raise DataFileError(f"{path}, line {line}: expected a JSON object, got invalid JSON ({e.msg}, column "
                             f"{e.colno}): {text[:80]!r}") from None
     if not isinstance(row, dict):
         raise DataFileError(f"{path}, line {line}: expected a JSON object (one row), got {type(row).__name__}")
@@ -47,7 +47,7 @@ def _json_document(text: str, path: str) -> tuple[list[dict], list[int] | None]:
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # JSON Lines in a .json file (datasets reads those too)
             return _json_lines(text, path)
-        raise DataFileError(f"{path}, line {e.lineno}: expected a JSON document, got invalid JSON ({e.msg} at "
+        raise DataFileError(f"{path}, line {e.lineno}: expected a JSON document, got invalid JSON ({e.msg}, "
                             f"column {e.colno})") from None
     if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
         lengths = {len(v) for v in data.values()}

@@ -146,10 +146,13 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
         dataset = dataset.map(tokenize, num_proc=args.dataset_num_proc, desc="Tokenizing prompts")
         check_unknown_tokens(dataset, ("input_ids",), tokenizer, getattr(args, "max_unk_share", None),
                              getattr(args, "strict", False), "prompt")
-    return _apply_prompt_length(dataset, max_length, args.prompt_overlong_policy)
+    limit = (f"max_prompt_length={max_length}" if args.max_prompt_length is not None or max_length is None else
+             f"{max_length} (max_prompt_length unset: the model's {max_positions} positions minus "
+             f"response_length={args.response_length})")
+    return _apply_prompt_length(dataset, max_length, args.prompt_overlong_policy, limit)
 
 
-def _apply_prompt_length(dataset: Dataset, max_length: int | None, policy: str) -> Dataset:
+def _apply_prompt_length(dataset: Dataset, max_length: int | None, policy: str, limit: str) -> Dataset:
     lengths = [len(ids) for ids in dataset["input_ids"]]
     for row, n in enumerate(lengths):
         if n == 0:
@@ -160,17 +163,16 @@ def _apply_prompt_length(dataset: Dataset, max_length: int | None, policy: str) 
     if policy == "error":
         row = overlong[0]
         raise DataValidationError(
-            row, "prompt", f"at most max_prompt_length={max_length} tokens ({len(overlong)} of {len(lengths)} prompts "
+            row, "prompt", f"at most {limit} tokens ({len(overlong)} of {len(lengths)} prompts "
             "are longer; set prompt_overlong_policy='truncate' or 'drop' to go on)", Verbatim(f"{lengths[row]} tokens"))
     if policy == "drop":
-        logger.warning("%d of %d prompts longer than max_prompt_length=%d were dropped", len(overlong), len(lengths),
-                       max_length)
+        logger.warning("%d of %d prompts longer than %s were dropped", len(overlong), len(lengths), limit)
         if len(overlong) == len(lengths):
-            raise ValueError(f"all {len(lengths)} prompts are longer than max_prompt_length={max_length}")
+            raise ValueError(f"all {len(lengths)} prompts are longer than {limit}")
         keep = set(range(len(lengths))) - set(overlong)
         return dataset.select(sorted(keep))
-    logger.warning("%d of %d prompts longer than max_prompt_length=%d were truncated (their last tokens kept)",
-                   len(overlong), len(lengths), max_length)
+    logger.warning("%d of %d prompts longer than %s were truncated (their last tokens kept)",
+                   len(overlong), len(lengths), limit)
     return dataset.map(lambda row: {"input_ids": row["input_ids"][-max_length:]})
 
 

@@ -181,7 +181,8 @@ def test_ppo_prompts_ending_with_an_assistant_turn(tmp_path, tiny_model_dir, no_
 def test_a_prompt_longer_than_the_model_positions_is_an_error_up_front(tmp_path, tiny_model_dir, no_model):
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+" * 150 + "1=", "answer": "151"}]  # 303 > 256 - 8
     data = write_jsonl(tmp_path / "long.jsonl", rows)
-    with pytest.raises(DataValidationError, match=r"row 1, field 'prompt': expected at most max_prompt_length=248 "
+    with pytest.raises(DataValidationError, match=r"row 1, field 'prompt': expected at most 248 \(max_prompt_length "
+                                                  r"unset: the model's 256 positions minus response_length=8\) "
                                                   r"tokens .* got 30\d tokens"):
         ppo(tmp_path, data, tiny_model_dir, "--response_length", "8")
     with pytest.raises(ValueError, match=r"max_prompt_length \(300\) \+ response_length \(8\) must fit in the "
@@ -196,7 +197,8 @@ def test_prompt_overlong_policies_are_counted(tokenizer, caplog, policy, tmp_pat
     with caplog.at_level(logging.WARNING, logger="hf_rlhf"):
         out = prepare_prompt_dataset(rows, tokenizer, args, max_positions=20)  # limit 12 tokens
     verb = "dropped" if policy == "drop" else "truncated"
-    assert f"2 of 4 prompts longer than max_prompt_length=12 were {verb}" in caplog.text
+    assert f"2 of 4 prompts longer than 12 (max_prompt_length unset: the model's 20 positions minus " \
+           f"response_length=8) were {verb}" in caplog.text
     lengths = [len(ids) for ids in out["input_ids"]]
     assert lengths == ([5, 5] if policy == "drop" else [5, 12, 5, 12])
     if policy == "truncate":  # the last tokens are kept
