@@ -11,6 +11,11 @@ line or in a YAML file given with `--config` (command-line values win); unknown 
 or reward model is built first with recipes/sft.py / reward.py). Evaluation on held-out prompts, greedy, before
 and after: `score` is the mean training reward; a 0/1 reward also gives `exact_match`, and the toy task checks it
 against the ground truth. Writes the policy (and `value/`), `results.json` and `ppo_curves.png` to `output_dir`.
+
+The data is read and checked (a local .json/.jsonl file as written: file, line, row and field in every error)
+before any model is loaded. `--resume_from_checkpoint true` (or `latest`) resumes from the latest complete
+checkpoint in `output_dir`, a path from that checkpoint; results.json then covers the whole run. After a
+non-finite stop nothing is saved or evaluated: results.json holds `stopped` and the recipe exits 1 with the message.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ command line or in a YAML file given with `--config` (command-line values win). 
 Writes the model (or adapter) and tokenizer to `output_dir`, and `<output_dir>/results.json` with the held-out
 pairwise accuracy before and after training and, with `store_reward_stats`, the reward mean / std over the
 training pairs (also stored as `reward_mean` / `reward_std` in the model config and `reward_stats.json`, for PPO).
+
+The data is read and checked (a local .json/.jsonl file as written: file, line, row and field in every error)
+before any model is loaded. `--resume_from_checkpoint true` (or `latest`) resumes from the latest complete
+checkpoint in `output_dir`, a path from that checkpoint; results.json then covers the whole run. After a
+non-finite stop nothing is saved or evaluated: results.json holds `stopped` and the recipe exits 1 with the message.
 """
 
 from __future__ import annotations
