@@ -28,6 +28,7 @@ from transformers import TrainingArguments
 
 from .config_checks import check_field_types, renamed_options
 from .imports import is_flash_attn_available
+from .option_ranges import check_option_ranges
 
 
 def _cuda_available() -> bool:
@@ -116,7 +117,21 @@ OVERLONG_CHOICES = ["truncate", "drop", "error"]
 
 @renamed_options("max_seq_length")
 @dataclass
-class DataOptions:
+class InputCheckOptions:
+    """How strict the up-front input checks are (`hf_rlhf.data.check_unknown_tokens`); in every trainer config.
+
+    Args:
+        max_unk_share: a row with more than this share of the tokenizer's unknown token cannot be represented by it.
+        strict: such rows are an error (naming the first); else their count is logged as a warning.
+    """
+
+    max_unk_share: float = field(
+        default=0.1, metadata={"help": "Largest share of unknown tokens a row may have before it is reported."})
+    strict: bool = field(default=False, metadata={"help": "Rows above max_unk_share are an error, not a warning."})
+
+
+@dataclass
+class DataOptions(InputCheckOptions):
     """Dataset preparation options shared by SFT and reward data (mixed into `SFTConfig` and `RewardConfig`).
 
     Usable alone where no trainer config exists, e.g. `DataOptions(max_length=None)` for PPO's ptx data.
@@ -147,6 +162,8 @@ class DataOptions:
             check_field_types(self)
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"{name}.max_length must be >= 2, got {self.max_length}.")
+        if not 0 <= self.max_unk_share <= 1:
+            raise ValueError(f"{name}.max_unk_share must be in [0, 1], got {self.max_unk_share}.")
         if self.overlong_policy not in OVERLONG_CHOICES:
             raise ValueError(f"{name}.overlong_policy={self.overlong_policy!r}; expected one of {OVERLONG_CHOICES}.")
         parent = getattr(super(), "__post_init__", None)
@@ -235,6 +252,7 @@ class DeviceDefaultsMixin:
     """Resolve `bf16` / `activation_checkpointing` left as None from the device (see module docstring)."""
 
     def _resolve_device_defaults(self):
+        check_option_ranges(self)  # every config's __post_init__ starts here: options are checked before any work
         if self.bf16 is None:
             self.bf16 = (not self.fp16) and _cuda_bf16() and not self.use_cpu
         if self.gradient_checkpointing is None and self.activation_checkpointing is None:

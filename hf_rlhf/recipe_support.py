@@ -99,15 +99,38 @@ def check_renamed_cli_options(argv: list[str], dataclass_types=()) -> None:
     check_renamed([n for n in names if n not in fields], "command line / --config YAML")
 
 
-def load_text_dataset(script_args):
-    """(train, test-or-None) from a hub id, a dataset directory or a json/jsonl/csv/parquet file."""
+class RecipeOptionError(ValueError):
+    """A recipe's options that cannot make a run (a missing dataset, policy or reward); raised before any loading."""
+
+
+def given_options(argv: list[str] | None) -> set[str]:
+    """The `--option` names on the command line (`argv`, or `sys.argv[1:]`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return {a.split("=")[0] for a in argv if a.startswith("--")}
+
+
+def load_text_dataset(script_args, validate: Callable | None = None):
+    """(train, test-or-None) from a hub id, a dataset directory or a json/jsonl/csv/parquet file.
+
+    Args:
+        script_args: `dataset_name`, `dataset_config`, `dataset_train_split`, `dataset_test_split`.
+        validate: the format's row check, `rows -> None` (a list of dicts or a `Dataset`). A local file is read as
+            written first (`hf_rlhf.data.check_raw_file`): an empty or unreadable file is an error naming the line,
+            and `validate` sees the file's own values, before `datasets` coerces a column.
+
+    Raises:
+        DataFileError, DataValidationError: a bad file or row (file, line, row, field).
+    """
     import datasets
+
+    from .data import check_raw_file
 
     name = script_args.dataset_name
     if getattr(script_args, "dataset_streaming", False):
         raise NotImplementedError("dataset_streaming: the recipes load the whole dataset; leave it false")
     ext = os.path.splitext(name)[1].lstrip(".")
     if os.path.isfile(name) and ext in ("json", "jsonl", "csv", "parquet"):
+        check_raw_file(name, validate or (lambda rows: None))
         data = datasets.load_dataset("json" if ext == "jsonl" else ext, data_files=name)
     elif os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_dict.json")):
         data = datasets.load_from_disk(name)
@@ -118,6 +141,104 @@ def load_text_dataset(script_args):
                          f"splits: {sorted(data)}")
     test_split = script_args.dataset_test_split
     return data[script_args.dataset_train_split], (data[test_split] if test_split in data else None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Resume and the end of a run
+
+
+def resume_argument(value) -> str | None:
+    """`--resume_from_checkpoint` as the trainers take it (TrainingArguments types it as a string).
+
+    Returns:
+        "latest" for true / latest (the trainers resume from the latest complete checkpoint of `output_dir`), None
+        for false / none / empty, else the checkpoint folder.
+
+    Raises:
+        FileNotFoundError: a path that is not a folder.
+    """
+    if value is None or value is False:
+        return None
+    text = "true" if value is True else str(value).strip()
+    if text.lower() in ("true", "latest"):
+        return "latest"
+    if text.lower() in ("false", "none", ""):
+        return None
+    if not os.path.isdir(text):
+        raise FileNotFoundError(f"--resume_from_checkpoint {text}: no such checkpoint folder (give a checkpoint-N "
+                                "folder, or true / latest for the latest complete checkpoint of output_dir)")
+    return text
+
+
+def train_run(trainer, resume_from_checkpoint) -> dict:
+    """`trainer.train(resume_from_checkpoint=...)`'s metrics, with `train_loss` over the whole run when resumed.
+
+    The Trainer averages `train_loss` over the steps of this `train()` call only; a resumed run adds the steps
+    before the checkpoint from the checkpoint's logged losses (each log covers the steps since the previous one),
+    so the figure reads as the uninterrupted run's (exactly when the checkpoint step is a logging step).
+
+    Args:
+        trainer: an hf_rlhf trainer (`resolve_resume_checkpoint`).
+        resume_from_checkpoint: `resume_argument`'s value.
+    """
+    from transformers.trainer_callback import TrainerState
+
+    checkpoint = trainer.resolve_resume_checkpoint(resume_from_checkpoint)
+    metrics = dict(trainer.train(resume_from_checkpoint=checkpoint).metrics)
+    if checkpoint is None or "train_loss" not in metrics:
+        return metrics
+    start = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json")).global_step
+    previous, before = 0, 0.0
+    for h in trainer.state.log_history:
+        if "loss" in h and previous < h["step"] <= start:
+            before += h["loss"] * (h["step"] - previous)
+            previous = h["step"]
+    resumed = trainer.state.global_step - start
+    metrics["train_loss"] = (before + metrics["train_loss"] * resumed) / max(previous + resumed, 1)
+    return metrics
+
+
+def nonfinite_stop_of(trainer, metrics: dict) -> dict | None:
+    """The run's non-finite stop (`trainer.nonfinite_stop`, or a `NonFiniteStopCallback`'s), or None."""
+    if "nonfinite_stop_step" not in metrics:
+        return None
+    if trainer.nonfinite_stop is not None:
+        return dict(trainer.nonfinite_stop)
+    from .callbacks import NonFiniteStopCallback
+
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, NonFiniteStopCallback) and cb.stopped is not None:
+            return {**cb.stopped, "message": f"training stopped at step {cb.stopped['step']}: "
+                                             f"{cb.stopped['metric']} = {cb.stopped['value']} was logged"}
+    return {"step": metrics["nonfinite_stop_step"], "message": f"training stopped at step "
+                                                                f"{metrics['nonfinite_stop_step']}: a non-finite value"}
+
+
+def exit_after_nonfinite_stop(trainer, output_dir: str, metrics: dict, results: dict) -> None:
+    """After a non-finite stop: write results.json saying so (no model saved, none evaluated) and exit non-zero.
+
+    Returns only when the run did not stop on a non-finite value.
+
+    Raises:
+        SystemExit: with the stop's message (step, value, last good checkpoint); the exit status is 1.
+    """
+    stop = nonfinite_stop_of(trainer, metrics)
+    if stop is None:
+        return
+    if trainer.is_world_process_zero():
+        write_results(output_dir, {**results, "train": metrics, "stopped": stop})
+    raise SystemExit(f"[hf_rlhf] {stop['message']}. No model was saved or evaluated; results: "
+                     f"{os.path.join(output_dir, 'results.json')}")
+
+
+def run_recipe(main: Callable) -> None:
+    """Run a recipe's `main()` from the command line: a bad input or option exits with its message, not a traceback."""
+    from .data import DataFileError, DataValidationError
+
+    try:
+        main()
+    except (DataFileError, DataValidationError, RecipeOptionError) as e:
+        raise SystemExit(f"[hf_rlhf] error: {e}") from None
 
 
 @dataclass
@@ -138,6 +259,58 @@ class PromptData:
     check: Callable | None = None
     score_fn: Callable | None = None
     timings: dict = field(default_factory=dict)
+
+
+def check_ppo_options(script_args, model_config, options: set[str], toy: bool) -> None:
+    """Refuse PPO recipe options that cannot make a run, before anything is loaded.
+
+    Args:
+        script_args: the recipe's options (`reward_source`, `reward_function`, `reward_model_path`).
+        model_config: `model_name_or_path`.
+        options: the `--option` names on the command line (`given_options`).
+        toy: the run is the embedded toy task (no `dataset_name`).
+
+    Raises:
+        RecipeOptionError: naming the missing option.
+    """
+    if toy:
+        if model_config.model_name_or_path is not None and not options & {"--config", "--dataset_name"}:
+            raise RecipeOptionError(
+                f"recipes/ppo.py: --model_name_or_path {model_config.model_name_or_path} needs --dataset_name (the "
+                "prompts) and a reward (--reward_model_path, or --reward_source function --reward_function "
+                "module:function); with neither --model_name_or_path nor --dataset_name the recipe runs the toy task")
+        return
+    if model_config.model_name_or_path is None:
+        raise RecipeOptionError("recipes/ppo.py: --dataset_name needs the policy to train: give --model_name_or_path")
+    if script_args.reward_source == "function" and not script_args.reward_function:
+        raise RecipeOptionError("recipes/ppo.py: --reward_source function needs --reward_function module:function")
+    if script_args.reward_source == "model" and not script_args.reward_model_path:
+        raise RecipeOptionError("recipes/ppo.py: a run on --dataset_name needs a reward: give --reward_model_path "
+                                "(a reward model), or --reward_source function --reward_function module:function")
+
+
+def load_prompt_data(script_args, model_config, args) -> PromptData:
+    """PPO prompts read, checked and tokenized before any model is loaded (only the policy's config is read).
+
+    Args:
+        script_args: `dataset_name` and its splits, `eval_size` (held-out prompts kept).
+        model_config: the policy (its tokenizer and `max_position_embeddings`).
+        args: a `PPOConfig` (`max_prompt_length`, `prompt_overlong_policy`, `response_length`).
+    """
+    from transformers import AutoConfig
+
+    from .models import load_tokenizer
+    from .ppo.loader import prepare_prompt_dataset, validate_prompt_dataset
+
+    train, test = load_text_dataset(script_args, lambda rows: validate_prompt_dataset(rows))
+    if test is not None:
+        test = validate_prompt_dataset(test)[0]
+        test = test.select(range(min(len(test), script_args.eval_size)))
+    config = AutoConfig.from_pretrained(model_config.model_name_or_path, revision=model_config.model_revision,
+                                        trust_remote_code=model_config.trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    train = prepare_prompt_dataset(train, load_tokenizer(model_config), args, max_positions=positions)
+    return PromptData(train, test)
 
 
 def load_reward_function(spec: str) -> Callable:

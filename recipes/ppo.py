@@ -11,6 +11,11 @@ line or in a YAML file given with `--config` (command-line values win); unknown 
 or reward model is built first with recipes/sft.py / reward.py). Evaluation on held-out prompts, greedy, before
 and after: `score` is the mean training reward; a 0/1 reward also gives `exact_match`, and the toy task checks it
 against the ground truth. Writes the policy (and `value/`), `results.json` and `ppo_curves.png` to `output_dir`.
+
+The data is read and checked (a local .json/.jsonl file as written: file, line, row and field in every error)
+before any model is loaded. `--resume_from_checkpoint true` (or `latest`) resumes from the latest complete
+checkpoint in `output_dir`, a path from that checkpoint; results.json then covers the whole run. After a
+non-finite stop nothing is saved or evaluated: results.json holds `stopped` and the recipe exits 1 with the message.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from trl.models.utils import unwrap_model_for_generation
 from hf_rlhf import ModelConfig, PPOConfig, PPOTrainer
 from hf_rlhf.callbacks import NonFiniteStopCallback, PlotCallback, SampleCompletionsCallback
 from hf_rlhf.recipe_support import (
-    KL_BAND, PromptData, evaluate_completions, kl_summary, load_reward_function, load_text_dataset,
-    parse_recipe_args, print_kl, print_outputs, write_results,
+    KL_BAND, PromptData, check_ppo_options, evaluate_completions, exit_after_nonfinite_stop, given_options,
+    kl_summary, load_prompt_data, load_reward_function, parse_recipe_args, print_kl, print_outputs, resume_argument,
+    run_recipe, train_run, write_results,
 )
 from hf_rlhf.toy.chain import ToyChainArguments, is_toy_run, toy_chain
 
@@ -52,11 +58,6 @@ class ScriptArguments(trl.ScriptArguments):
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (None: torch's)."})
 
 
-def load_prompts(script_args) -> PromptData:
-    train, test = load_text_dataset(script_args)
-    return PromptData(train, test.select(range(min(len(test), script_args.eval_size))) if test is not None else None)
-
-
 def build_callbacks(script_args, args: PPOConfig, data: PromptData) -> list:
     callbacks = [NonFiniteStopCallback()]
     if script_args.sample_prompts > 0 and data.held_out is not None:
@@ -75,9 +76,11 @@ def main(argv: list[str] | None = None) -> dict:
         (ScriptArguments, ToyChainArguments, ModelConfig, PPOConfig), argv, TOY_CONFIG)
     if script_args.num_threads:
         torch.set_num_threads(script_args.num_threads)
+    check_ppo_options(script_args, model_config, given_options(argv), is_toy_run(script_args))
+    resume = resume_argument(args.resume_from_checkpoint)
     # the toy task builds its missing SFT policy / reward model first and sets model_name_or_path
     data = toy_chain(script_args, toy_args, model_config, RECIPES) if is_toy_run(script_args) \
-        else load_prompts(script_args)
+        else load_prompt_data(script_args, model_config, args)
     if model_config.model_name_or_path is None:
         raise ValueError("give the policy with --model_name_or_path")
     if script_args.reward_source == "function":
@@ -106,8 +109,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     before = evaluate()
     start = time.perf_counter()
-    train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    metrics = train_run(trainer, resume)
     timings["ppo_s"] = round(time.perf_counter() - start, 1)
+    task = "toy" if is_toy_run(script_args) else script_args.dataset_name
+    exit_after_nonfinite_stop(trainer, args.output_dir, metrics, {
+        "before": {k: v for k, v in before.items() if not isinstance(v, dict)}, "timings": timings,
+        "reward": reward_name, "policy": model_config.model_name_or_path, "task": task})
     trainer.save_model(args.output_dir)
     trainer.save_state()  # trainer_state.json: the full log history (bench/kl_control.py reads the KL curve)
     after = evaluate()
@@ -116,9 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"before": {k: v for k, v in before.items() if not isinstance(v, dict)},
                "after": {k: v for k, v in after.items() if not isinstance(v, dict)},
                "kl": kl_summary(trainer.state.log_history, args.kl_target),
-               "plots": {"curves": plots[0]} if plots else {}, "timings": timings, "train": train_result.metrics,
-               "reward": reward_name, "policy": model_config.model_name_or_path,
-               "task": "toy" if is_toy_run(script_args) else script_args.dataset_name}
+               "plots": {"curves": plots[0]} if plots else {}, "timings": timings, "train": metrics,
+               "reward": reward_name, "policy": model_config.model_name_or_path, "task": task}
     # per-group metrics (the toy task's exact match by task family) side by side
     results.update({k: {"before": v, "after": after[k]} for k, v in before.items() if isinstance(v, dict)})
     if trainer.is_world_process_zero():
@@ -129,4 +135,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

@@ -13,6 +13,11 @@ command line or in a YAML file given with `--config` (command-line values win). 
 Writes the model (or adapter) and tokenizer to `output_dir`, and `<output_dir>/results.json` with the held-out
 pairwise accuracy before and after training and, with `store_reward_stats`, the reward mean / std over the
 training pairs (also stored as `reward_mean` / `reward_std` in the model config and `reward_stats.json`, for PPO).
+
+The data is read and checked (a local .json/.jsonl file as written: file, line, row and field in every error)
+before any model is loaded. `--resume_from_checkpoint true` (or `latest`) resumes from the latest complete
+checkpoint in `output_dir`, a path from that checkpoint; results.json then covers the whole run. After a
+non-finite stop nothing is saved or evaluated: results.json holds `stopped` and the recipe exits 1 with the message.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ import os
 from dataclasses import dataclass, field
 
 from hf_rlhf import ModelConfig, RewardConfig, RewardTrainer
-from hf_rlhf.recipe_support import load_text_dataset, parse_recipe_args, print_outputs, write_results
+from hf_rlhf.recipe_support import (
+    exit_after_nonfinite_stop, load_text_dataset, parse_recipe_args, print_outputs, resume_argument, run_recipe,
+    train_run, write_results,
+)
 from hf_rlhf.toy.chain import is_toy_run, prepare_toy_base
 
 TOY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "reward_toy.yaml")
@@ -71,13 +79,38 @@ def load_reward_base(script_args, model_config, training_args):
     return model, tokenizer, f"new toy model ({script_args.toy_model_size})"
 
 
+def validate_rows(training_args):
+    """The preference-pair row check of a dataset file's raw rows (`load_text_dataset`)."""
+    from hf_rlhf.data import column_names, detect_preference_format, validate_preference_dataset
+
+    def validate(rows):
+        use_margin = training_args.use_margin if training_args.use_margin is not None else \
+            "margin" in column_names(rows)
+        validate_preference_dataset(rows, detect_preference_format(rows), use_margin)
+
+    return validate
+
+
+def tokenize_first(train, test, tokenizer, training_args):
+    """(train, test) checked and tokenized (`prepare_preference_dataset`), before the model is loaded."""
+    from hf_rlhf.data import main_process_first_if_cached, prepare_preference_dataset
+
+    prepared = []
+    for name, dataset in (("train", train), ("test", test)):
+        if dataset is not None:
+            with main_process_first_if_cached(training_args, dataset, f"{name} dataset tokenization"):
+                dataset = prepare_preference_dataset(dataset, tokenizer, training_args)
+        prepared.append(dataset)
+    return tuple(prepared)
+
+
 def main(argv: list[str] | None = None) -> dict:
     script_args, model_config, training_args = parse_recipe_args(
         (ScriptArguments, ModelConfig, RewardConfig), argv, TOY_CONFIG)
     toy = is_toy_run(script_args)
-    model, tokenizer, start = load_reward_base(script_args, model_config, training_args)
-    print(f"[hf_rlhf] reward model starts from: {start}")
+    resume = resume_argument(training_args.resume_from_checkpoint)
 
+    # the data first: a bad file or row fails here, before any model is loaded
     if toy:
         from hf_rlhf.toy import preference_dataset
 
@@ -88,7 +121,14 @@ def main(argv: list[str] | None = None) -> dict:
                                   conversational=script_args.toy_conversational,
                                   rejected_slip_rate=script_args.toy_rejected_slip_rate)
     else:
-        train, test = load_text_dataset(script_args)
+        train, test = load_text_dataset(script_args, validate_rows(training_args))
+        if model_config.model_name_or_path is not None:
+            # tokenizer-level checks (unknown tokens, over-long pairs) before the weights are read
+            from hf_rlhf.models import load_tokenizer
+
+            train, test = tokenize_first(train, test, load_tokenizer(model_config), training_args)
+    model, tokenizer, start = load_reward_base(script_args, model_config, training_args)
+    print(f"[hf_rlhf] reward model starts from: {start}")
 
     trainer = RewardTrainer(model, args=training_args, train_dataset=train, eval_dataset=test,
                             processing_class=tokenizer, model_config=model_config)
@@ -96,13 +136,15 @@ def main(argv: list[str] | None = None) -> dict:
     # afterwards, so the untrained model is not evaluated there (results.json says so).
     skip_before = trainer.is_deepspeed_enabled
     before = _accuracy(trainer) if test is not None and not skip_before else {}
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    metrics = train_run(trainer, resume)
+    task = "toy" if toy else script_args.dataset_name
+    exit_after_nonfinite_stop(trainer, training_args.output_dir, metrics, {"before": before, "start": start,
+                                                                           "task": task})
     trainer.save_model(training_args.output_dir)
 
     after = _accuracy(trainer) if test is not None else {}
-    after.update({k: v for k, v in train_result.metrics.items() if k in ("reward_mean", "reward_std")})
-    results = {"before": before, "after": after, "train": train_result.metrics, "start": start,
-               "task": "toy" if toy else script_args.dataset_name}
+    after.update({k: v for k, v in metrics.items() if k in ("reward_mean", "reward_std")})
+    results = {"before": before, "after": after, "train": metrics, "start": start, "task": task}
     if skip_before and test is not None:
         results["notes"] = ["before: not evaluated under DeepSpeed (evaluate() before train() breaks training)"]
     if trainer.is_world_process_zero():
@@ -117,4 +159,4 @@ def _accuracy(trainer) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

@@ -9,6 +9,11 @@ Options are the fields of `ScriptArguments` (below), `hf_rlhf.ModelConfig` and `
 on the command line or in a YAML file given with `--config` (command-line values win). Unknown
 options are errors. Writes the model (or adapter) and tokenizer to `output_dir`, and
 `<output_dir>/results.json` with the metrics before and after training.
+
+The data is read and checked (a local .json/.jsonl file as written: file, line, row and field in every error)
+before any model is loaded. `--resume_from_checkpoint true` (or `latest`) resumes from the latest complete
+checkpoint in `output_dir`, a path from that checkpoint; results.json then covers the whole run. After a
+non-finite stop nothing is saved or evaluated: results.json holds `stopped` and the recipe exits 1 with the message.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import os
 from dataclasses import dataclass, field
 
 from hf_rlhf import ModelConfig, SFTConfig, SFTTrainer
-from hf_rlhf.recipe_support import load_text_dataset, parse_recipe_args, print_outputs, write_results
+from hf_rlhf.recipe_support import (
+    exit_after_nonfinite_stop, load_text_dataset, parse_recipe_args, print_outputs, resume_argument,
+    run_recipe, train_run, write_results,
+)
 from hf_rlhf.toy.chain import is_toy_run, prepare_toy_base
 
 TOY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "sft_toy.yaml")
@@ -50,20 +58,38 @@ def toy_exact_match(model, tokenizer, rows) -> dict:
     return {"exact_match": exact_match(model, tokenizer, rows)}
 
 
+def validate_rows(training_args):
+    """The SFT row check of a dataset file's raw rows (`load_text_dataset`)."""
+    from hf_rlhf.data import detect_format, validate_sft_dataset
+
+    def validate(rows):
+        fmt = detect_format(rows, training_args.dataset_text_field)
+        validate_sft_dataset(rows, fmt, training_args.dataset_text_field,
+                             require_assistant=training_args.assistant_only_loss)
+
+    return validate
+
+
+def tokenize_first(train, test, tokenizer, training_args):
+    """(train, test) checked and tokenized (`prepare_sft_dataset`), before the model is loaded."""
+    from hf_rlhf.data import main_process_first_if_cached, prepare_sft_dataset
+
+    prepared = []
+    for name, dataset in (("train", train), ("test", test)):
+        if dataset is not None:
+            with main_process_first_if_cached(training_args, dataset, f"{name} dataset tokenization"):
+                dataset = prepare_sft_dataset(dataset, tokenizer, training_args)
+        prepared.append(dataset)
+    return tuple(prepared)
+
+
 def main(argv: list[str] | None = None) -> dict:
     script_args, model_config, training_args = parse_recipe_args(
         (ScriptArguments, ModelConfig, SFTConfig), argv, TOY_CONFIG)
     toy = is_toy_run(script_args)
+    resume = resume_argument(training_args.resume_from_checkpoint)
 
-    if model_config.model_name_or_path is None:
-        model, tokenizer = prepare_toy_base(model_config, training_args, script_args.toy_model_size,
-                                            script_args.toy_seed)
-    else:
-        from hf_rlhf.models import load_model, load_tokenizer
-
-        tokenizer = load_tokenizer(model_config)
-        model = load_model(model_config)
-
+    # the data first: a bad file or row fails here, before any model is loaded
     if toy:
         from hf_rlhf.toy import prompt_dataset, sft_dataset
 
@@ -74,20 +100,32 @@ def main(argv: list[str] | None = None) -> dict:
                                   conversational=conversational)
         test = None
     else:
-        train, test = load_text_dataset(script_args)
+        train, test = load_text_dataset(script_args, validate_rows(training_args))
         held_out = None
+
+    if model_config.model_name_or_path is None:
+        model, tokenizer = prepare_toy_base(model_config, training_args, script_args.toy_model_size,
+                                            script_args.toy_seed)
+    else:
+        from hf_rlhf.models import load_model, load_tokenizer
+
+        tokenizer = load_tokenizer(model_config)
+        if not toy:  # tokenizer-level checks (unknown tokens, over-long rows) before the weights are read
+            train, test = tokenize_first(train, test, tokenizer, training_args)
+        model = load_model(model_config)
 
     before = toy_exact_match(model, tokenizer, held_out) if toy else {}
     trainer = SFTTrainer(model, args=training_args, train_dataset=train, eval_dataset=test,
                          processing_class=tokenizer, model_config=model_config)
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    metrics = train_run(trainer, resume)
+    task = "toy" if toy else script_args.dataset_name
+    exit_after_nonfinite_stop(trainer, training_args.output_dir, metrics, {"before": before, "task": task})
     trainer.save_model(training_args.output_dir)
 
     after = toy_exact_match(trainer.accelerator.unwrap_model(trainer.model), tokenizer, held_out) if toy else {}
     if test is not None:
         after.update({k.removeprefix("eval_"): v for k, v in trainer.evaluate().items()})
-    results = {"before": before, "after": after, "train": train_result.metrics,
-               "task": "toy" if toy else script_args.dataset_name}
+    results = {"before": before, "after": after, "train": metrics, "task": task}
     if trainer.is_world_process_zero():
         write_results(training_args.output_dir, results)
         print_outputs("SFT", training_args.output_dir, results)
@@ -95,4 +133,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

@@ -39,6 +39,9 @@ class SampleCompletionsCallback(TrainerCallback):
         filename: JSONL file inside `args.output_dir` (None: print only).
 
     `history` holds every logged row: {"step", "prompt", "completion"[, "score"]}.
+
+    On resume from step G the file keeps the rows of the steps before G and the callback samples at G only where the
+    uninterrupted run did (a multiple of `every_n_steps`), so the file reads as the uninterrupted run's.
     """
 
     def __init__(self, prompts: Sequence, every_n_steps: int | None = None, max_new_tokens: int = 16,
@@ -51,7 +54,25 @@ class SampleCompletionsCallback(TrainerCallback):
         self._last_step: int | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step > 0:  # resumed: read on as the uninterrupted run's log would
+            self._forget_from(args, state)
+            if not (self.every_n_steps and state.global_step % self.every_n_steps == 0):
+                return  # the uninterrupted run sampled no block at this step
         self._sample(args, state, **kwargs)
+
+    def _forget_from(self, args, state) -> None:
+        """Drop the rows of step >= the resumed step: the interrupted run wrote them, the resumed run writes them again."""
+        self.history = [row for row in self.history if row["step"] < state.global_step]
+        self._last_step = None
+        path = os.path.join(args.output_dir, self.filename) if self.filename else None
+        if not state.is_world_process_zero or path is None or not os.path.isfile(path):
+            return
+        with open(path) as f:
+            kept = [line for line in f if _row_step(line) < state.global_step]
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.every_n_steps and state.global_step % self.every_n_steps == 0:
@@ -89,6 +110,14 @@ class SampleCompletionsCallback(TrainerCallback):
             with open(os.path.join(args.output_dir, self.filename), "a") as f:
                 for row in rows:
                     f.write(json.dumps(row) + "\n")
+
+
+def _row_step(line: str) -> float:
+    """The step of a completions.jsonl line; infinity for a blank or partly written one (a killed run's last)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def _sharded_zero3(args) -> bool:

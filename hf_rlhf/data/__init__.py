@@ -6,6 +6,7 @@
     sft.py           SFT formats and `prepare_sft_dataset`
     preference.py    preference-pair formats and `prepare_preference_dataset`
     streaming.py     streamed (`IterableDataset`) data: first-row look-ahead, lazy validation and over-long policy
+    raw_files.py     .json / .jsonl files read as written before `datasets` loads them (file errors with the line)
 
 Both entry points take a `DataOptions` (`hf_rlhf.configs`): a trainer config, which is one, or a plain
 `DataOptions(...)`. Every row is validated before anything is tokenized, so a bad row fails in seconds with
@@ -16,11 +17,13 @@ just before each is tokenized, with the same checks and errors.
 from .preference import (
     PREFERENCE_FORMATS,
     check_margin,
+    check_shared_prompt,
     check_token_ids,
     detect_preference_format,
     prepare_preference_dataset,
     validate_preference_dataset,
 )
+from .raw_files import DataFileError, check_raw_file, read_json_rows
 from .sft import (
     CONVERSATIONAL_FORMATS,
     apply_formatting_func,
@@ -33,6 +36,7 @@ from .tokenization import (
     apply_length_policy,
     check_chat_template,
     check_overlong_policy,
+    check_unknown_tokens,
     ensure_pad_token,
     eos_token_id,
     main_process_first_if_cached,
@@ -65,6 +69,7 @@ __all__ = [
     "OVERLONG_POLICIES",
     "PREFERENCE_FORMATS",
     "ROLES",
+    "DataFileError",
     "DataValidationError",
     "Verbatim",
     "apply_formatting_func",
@@ -75,8 +80,11 @@ __all__ = [
     "check_messages",
     "check_not_empty",
     "check_overlong_policy",
+    "check_raw_file",
+    "check_shared_prompt",
     "check_text",
     "check_token_ids",
+    "check_unknown_tokens",
     "column_names",
     "detect_format",
     "detect_preference_format",
@@ -87,6 +95,7 @@ __all__ = [
     "main_process_first_if_cached",
     "prepare_preference_dataset",
     "prepare_sft_dataset",
+    "read_json_rows",
     "resolve_chat_template",
     "special_prefix",
     "tokenize_prompt_completion",

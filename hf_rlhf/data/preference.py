@@ -31,6 +31,7 @@ from .tokenization import (
     apply_length_policy,
     check_chat_template,
     check_overlong_policy,
+    check_unknown_tokens,
     eos_token_id,
     resolve_chat_template,
     special_prefix,
@@ -159,6 +160,36 @@ def check_preference_row(index: int, row: dict, fmt: str, checks: dict) -> None:
     if list(row[pair[0]]) == list(row[pair[1]]) if fmt == "tokenized" else row[pair[0]] == row[pair[1]]:
         raise DataValidationError(index, pair[1], f"a response different from {pair[0]!r} (a pair needs two "
                                   "different responses)", row[pair[1]])
+    if fmt == "conversational_implicit_prompt":
+        check_shared_prompt(index, row["chosen"], row["rejected"])
+
+
+def _message(message) -> dict:
+    # datasets fills keys another row has with None: compare what the message says
+    return {k: v for k, v in dict(message).items() if v is not None}
+
+
+def check_shared_prompt(row: int, chosen, rejected) -> None:
+    """Check that two conversations differ only in their last message, an assistant turn (implicit-prompt pairs).
+
+    The prompt of an implicit-prompt pair is everything before the judged answer; if chosen and rejected differ
+    earlier, the pair compares two different conversations and its preference says nothing about the answer.
+
+    Args:
+        row: the row's index (for the error).
+        chosen, rejected: lists of messages (already checked by `check_messages`).
+    """
+    for field, messages in (("chosen", chosen), ("rejected", rejected)):
+        if messages[-1]["role"] != "assistant":
+            raise DataValidationError(row, f"{field}[{len(messages) - 1}].role", "'assistant' (the last message of "
+                                      "an implicit-prompt pair is the answer being judged)", messages[-1]["role"])
+    if len(chosen) != len(rejected) or any(_message(a) != _message(b) for a, b in zip(chosen[:-1], rejected[:-1])):
+        k = next((k for k, (a, b) in enumerate(zip(chosen[:-1], rejected[:-1])) if _message(a) != _message(b)),
+                 min(len(chosen), len(rejected)) - 1)
+        raise DataValidationError(
+            row, "rejected", "the same messages as 'chosen' up to the last assistant turn (implicit-prompt pairs "
+            "share their prompt)", Verbatim(f"a different message at index {k} ({len(chosen)} messages in "
+                                            f"chosen, {len(rejected)} in rejected)"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -267,5 +298,8 @@ def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_
     tokenized = data.map(
         _tokenize_pair, with_indices=True, fn_kwargs={"spec": spec}, remove_columns=data.column_names,
         num_proc=opts.dataset_num_proc, desc="Tokenizing preference pairs")
+    if fmt != "tokenized":
+        check_unknown_tokens(tokenized, ("chosen_ids", "rejected_ids"), tokenizer, opts.max_unk_share, opts.strict,
+                             LENGTH_FIELD)
     tokenized, stats = apply_length_policy(tokenized, opts.max_length, opts.overlong_policy, LENGTH_FIELD)
     return (tokenized, stats) if return_stats else tokenized

@@ -21,6 +21,7 @@ from .tokenization import (
     apply_length_policy,
     check_chat_template,
     check_overlong_policy,
+    check_unknown_tokens,
     eos_token_id,
     resolve_chat_template,
     special_prefix,
@@ -273,5 +274,6 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
     tokenized = data.map(
         _tokenize_sft_row, with_indices=True, fn_kwargs={"spec": spec}, remove_columns=data.column_names,
         num_proc=opts.dataset_num_proc, desc="Tokenizing SFT dataset")
+    check_unknown_tokens(tokenized, ("input_ids",), tokenizer, opts.max_unk_share, opts.strict, field)
     tokenized, stats = apply_length_policy(tokenized, opts.max_length, opts.overlong_policy, field)
     return (tokenized, stats) if return_stats else tokenized

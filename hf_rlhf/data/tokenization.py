@@ -289,3 +289,59 @@ def apply_length_policy(dataset: Dataset, max_length: int | None, policy: str, f
                              "raise max_length or use overlong_policy='truncate'")
         dataset = dataset.select([i for i in range(n_rows) if i not in drop])
     return dataset.remove_columns(list(LENGTH_COLUMNS)), stats
+
+
+DEFAULT_MAX_UNK_SHARE = 0.1
+
+
+def check_unknown_tokens(dataset: Dataset, columns, tokenizer, max_share: float | None, strict: bool,
+                         field: str) -> int:
+    """Count rows the tokenizer cannot represent: more than `max_share` of their tokens are its unknown token.
+
+    Such text (another script, another alphabet) would be trained on as a run of `<unk>`, silently. The count is
+    logged with the first such row; with `strict` the first one is an error. A tokenizer without an unknown token
+    (byte-level BPE represents every text) has nothing to check.
+
+    Args:
+        dataset: tokenized rows, in the order of the raw rows (row indices name the raw rows).
+        columns: the token-id columns to check (e.g. ("input_ids",) or ("chosen_ids", "rejected_ids")).
+        tokenizer: the tokenizer (`unk_token_id`).
+        max_share: the largest share of unknown tokens a row may have; None: `DEFAULT_MAX_UNK_SHARE`.
+        strict: raise instead of warning.
+        field: the field named in the message.
+
+    Returns:
+        The number of rows above the share.
+
+    Raises:
+        DataValidationError: with `strict`, the first row above the share.
+    """
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return 0
+    max_share = DEFAULT_MAX_UNK_SHARE if max_share is None else max_share
+    bad, first = 0, None
+    index = 0
+    for batch in dataset.select_columns(list(columns)).iter(batch_size=1000):
+        for j in range(len(batch[columns[0]])):
+            for column in columns:
+                ids = batch[column][j]
+                n_unk = sum(1 for t in ids if t == unk)
+                if ids and n_unk / len(ids) > max_share:
+                    bad += 1
+                    if first is None:
+                        first = (index, n_unk, len(ids))
+                    break
+            index += 1
+    if not bad:
+        return 0
+    row, n_unk, n = first
+    expected = (f"text the tokenizer can represent (at most {max_share:.0%} of its tokens "
+                f"{tokenizer.unk_token!r}, max_unk_share)")
+    got = Verbatim(f"{n_unk} of {n} tokens unknown; {bad} of {index} rows are above the share")
+    if strict:
+        raise DataValidationError(row, field, expected, got)
+    logger.warning("%d of %d rows have more than %.0f%% unknown tokens (%r), first row %d (%d of %d tokens): they "
+                   "are trained on as unknown tokens; set strict=True to make this an error, or max_unk_share",
+                   bad, index, 100 * max_share, tokenizer.unk_token, row, n_unk, n)
+    return bad

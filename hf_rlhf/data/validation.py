@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from datasets import Dataset
 
 ROLES = ("system", "user", "assistant", "tool")
+SPOKEN_ROLES = ("user", "assistant")  # turns that must say something (a system or tool message may be empty)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -61,18 +62,19 @@ class DataValidationError(ValueError):
         field: the field (column, or a path such as "messages[1].role"), or None.
         expected: what the field should hold, as a phrase ("a non-empty string").
         got: the value found (repr'd and shortened; a `Verbatim` is shown as written); left out when not given.
+        source: where the row is in its file ("data.jsonl, line 4"), or None.
     """
 
-    def __init__(self, row: int | None, field: str | None, expected: str, got=_NOT_GIVEN):
-        self.row, self.field, self.expected, self.got = row, field, expected, got
-        where = ", ".join(p for p in (row is not None and f"row {row}", field and f"field {field!r}") if p)
+    def __init__(self, row: int | None, field: str | None, expected: str, got=_NOT_GIVEN, source: str | None = None):
+        self.row, self.field, self.expected, self.got, self.source = row, field, expected, got, source
+        where = ", ".join(p for p in (source, row is not None and f"row {row}", field and f"field {field!r}") if p)
         message = f"expected {expected}"
         if got is not _NOT_GIVEN:
             message += f", got {got!r}" if isinstance(got, Verbatim) else f", got {_short_repr(got)}"
         super().__init__(f"{where}: {message}" if where else message)
 
     def __reduce__(self):
-        return (type(self), (self.row, self.field, self.expected, self.got))
+        return (type(self), (self.row, self.field, self.expected, self.got, self.source))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,7 +173,7 @@ def is_conversational_column(data, column: str) -> bool:
 
 
 def check_text(row: int, field: str, value) -> None:
-    """Check that `value` is a non-empty string.
+    """Check that `value` is a string with some non-whitespace text.
 
     Args:
         row: the row's index (for the error).
@@ -183,6 +185,8 @@ def check_text(row: int, field: str, value) -> None:
         raise DataValidationError(row, field, expected, MISSING)
     if not isinstance(value, str) or not value:
         raise DataValidationError(row, field, expected, value)
+    if value.isspace():  # tokenizes to (almost) nothing: a row that would be trained on silently
+        raise DataValidationError(row, field, "text that is not only whitespace", value)
 
 
 def check_messages(row: int, field: str, value, require_assistant: bool = False) -> None:
@@ -210,8 +214,12 @@ def check_messages(row: int, field: str, value, require_assistant: bool = False)
             raise DataValidationError(row, f"{where}.role", "one of " + ", ".join(map(repr, ROLES)),
                                       MISSING if role is ABSENT else role)
         content = message.get("content", ABSENT)
-        if not isinstance(content, str) and not (role == "assistant" and message.get("tool_calls")):
+        tool_call = role == "assistant" and message.get("tool_calls")
+        if not isinstance(content, str) and not tool_call:
             raise DataValidationError(row, f"{where}.content", "a string", MISSING if content is ABSENT else content)
+        if role in SPOKEN_ROLES and not tool_call and (not content or content.isspace()):
+            raise DataValidationError(row, f"{where}.content", f"a {role} turn with text (not empty or only "
+                                      "whitespace)", content)
     if require_assistant and not any(m["role"] == "assistant" for m in value):
         roles = [m["role"] for m in value]
         raise DataValidationError(row, field, "at least one 'assistant' message", Verbatim(f"roles {roles}"))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..config_checks import check_field_types, renamed_options
-from ..configs import DeviceDefaultsMixin, NonFiniteOptions
+from ..configs import DeviceDefaultsMixin, InputCheckOptions, NonFiniteOptions
 from .kl import KL_ESTIMATORS
 
 REWARD_NORMALIZATIONS = ("none", "running", "model_stats")
@@ -29,7 +29,7 @@ PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
 
 @renamed_options("init_kl_coef", "adap_kl_ctrl", "target", "horizon")
 @dataclass
-class PPOConfig(NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
+class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     """PPO options (a `TrainingArguments`): every Trainer option works as usual.
 
     Batches (per device; see the module docstring):
@@ -43,9 +43,13 @@ class PPOConfig(NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
         local_rollout_forward_batch_size: rows per no-grad forward during the rollout (generation, log-probs,
             values, reward model).
     Prompts:
-        max_prompt_length: longest tokenized prompt (None: no limit); longer prompts are handled by
-            `prompt_overlong_policy`: `error` (default; the error names the row), `truncate` (keep the last
-            tokens, as TRL's GRPO truncates prompts from the left) or `drop`.
+        max_prompt_length: longest tokenized prompt. None: the policy's `max_position_embeddings` minus
+            `response_length` (a prompt and its response must fit in the model's positions; a value above that is
+            an error). Longer prompts are handled by `prompt_overlong_policy`: `error` (default; the error names the
+            row), `truncate` (keep the last tokens, as TRL's GRPO truncates prompts from the left) or `drop`; the
+            number truncated or dropped is logged.
+        max_unk_share, strict: prompts with more than this share of unknown tokens are counted in a warning, or
+            with `strict` are an error (`InputCheckOptions`).
     Generation:
         response_length: max new tokens (TRL's name). temperature, top_k (0: off), top_p: sampling; the
             log-probabilities of training use the same temperature. generation_kwargs: extra `generate` arguments.
@@ -93,7 +97,8 @@ class PPOConfig(NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     )
     # prompts
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for prompt tokenization."})
-    max_prompt_length: int | None = field(default=None, metadata={"help": "Longest tokenized prompt."})
+    max_prompt_length: int | None = field(
+        default=None, metadata={"help": "Longest tokenized prompt. None: the model's positions minus response_length."})
     prompt_overlong_policy: str = field(
         default="error", metadata={"help": "Prompts longer than max_prompt_length: error, truncate (keep the end) "
                                            "or drop.", "choices": list(PROMPT_OVERLONG_POLICIES)},
@@ -204,6 +209,7 @@ class PPOConfig(NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
             (self.prompt_overlong_policy in PROMPT_OVERLONG_POLICIES,
              f"prompt_overlong_policy must be one of {PROMPT_OVERLONG_POLICIES}, got {self.prompt_overlong_policy!r}"),
             (self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length must be >= 1 or None"),
+            (0 <= self.max_unk_share <= 1, f"max_unk_share must be in [0, 1], got {self.max_unk_share}"),
             (self.ptx_coef >= 0 and self.vf_coef >= 0 and self.entropy_coef >= 0,
              "ptx_coef, vf_coef and entropy_coef must be >= 0"),
             (self.value_learning_rate is None or self.value_learning_rate >= 0, "value_learning_rate must be >= 0"),

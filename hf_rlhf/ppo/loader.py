@@ -36,6 +36,7 @@ from ..data import (
     check_messages,
     check_not_empty,
     check_text,
+    check_unknown_tokens,
     column_names,
     is_conversational_column,
     special_prefix,
@@ -58,29 +59,80 @@ def seeded_generator(*key: int) -> torch.Generator:
 # Prompts
 
 
-def prepare_prompt_dataset(dataset, tokenizer, args) -> Dataset:
+def check_prompt_messages(row: int, field: str, value) -> None:
+    """Check a conversational prompt: messages (`check_messages`) that do not end with an assistant turn.
+
+    A prompt ending with the assistant's turn already holds its answer: the policy would be asked to continue it,
+    and the reward would judge the continuation of an answer, not an answer.
+    """
+    check_messages(row, field, value)
+    if value[-1]["role"] == "assistant":
+        raise DataValidationError(row, f"{field}[{len(value) - 1}].role", "a prompt that ends with a user (or "
+                                  "system / tool) turn, for the policy to answer", "assistant")
+
+
+def validate_prompt_dataset(dataset) -> tuple[object, bool]:
+    """Check every prompt row; rename a `messages` column to `prompt`.
+
+    Args:
+        dataset: a `Dataset` or a list of dict rows with `prompt` (a string or messages) or `messages`.
+
+    Returns:
+        (the dataset as given, with `messages` renamed for a `Dataset`; whether the prompts are conversational).
+
+    Raises:
+        DataValidationError: naming the row and field (missing, empty or whitespace-only, ending with an assistant
+            turn).
+    """
+    check_not_empty(dataset)
+    columns = column_names(dataset)
+    key = "prompt" if "prompt" in columns else "messages" if "messages" in columns else None
+    if key is None:
+        raise DataValidationError(None, None, "a 'prompt' or 'messages' column", Verbatim(f"columns {columns}"))
+    conversational = is_conversational_column(dataset, key)
+    validate_rows(dataset, {key: check_prompt_messages if conversational else check_text})
+    if key == "messages" and isinstance(dataset, Dataset):
+        dataset = dataset.rename_column("messages", "prompt")
+    return dataset, conversational
+
+
+def prompt_length_limit(args, max_positions: int | None) -> int | None:
+    """The longest prompt: `args.max_prompt_length`, else the model's positions minus `args.response_length`.
+
+    Args:
+        args: a `PPOConfig`.
+        max_positions: the policy's `max_position_embeddings`, or None when unknown.
+
+    Raises:
+        ValueError: a prompt of that length plus a response would not fit in the model's positions.
+    """
+    if max_positions is None:
+        return args.max_prompt_length
+    limit = max_positions - args.response_length
+    if limit < 1 or (args.max_prompt_length is not None and args.max_prompt_length > limit):
+        given = args.max_prompt_length if args.max_prompt_length is not None else "unset"
+        raise ValueError(f"PPOConfig: max_prompt_length ({given}) + response_length ({args.response_length}) must "
+                         f"fit in the model's {max_positions} positions (max_position_embeddings)")
+    return limit if args.max_prompt_length is None else args.max_prompt_length
+
+
+def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None = None) -> Dataset:
     """Validate and tokenize prompt rows: adds `input_ids` (the prompt's tokens); other columns are kept.
 
     Rows have a `prompt` (a string, or a list of messages) or a `messages` list (renamed to `prompt`). Plain
     prompts get the tokenizer's leading special tokens (bos), conversations the chat template with the generation
-    prompt. Prompts longer than `args.max_prompt_length` follow `args.prompt_overlong_policy`.
+    prompt. Prompts longer than `prompt_length_limit(args, max_positions)` (`max_prompt_length`, by default the
+    model's positions minus the response length) follow `args.prompt_overlong_policy`; prompts made mostly of
+    unknown tokens are counted (`check_unknown_tokens`).
 
     Raises:
         DataValidationError: naming the row and field (a missing or empty prompt, a prompt that is too long).
     """
-    dataset = as_dataset(dataset)
-    check_not_empty(dataset)
-    columns = column_names(dataset)
-    if "prompt" not in columns and "messages" in columns:
-        dataset, columns = dataset.rename_column("messages", "prompt"), [c if c != "messages" else "prompt"
-                                                                          for c in columns]
-    if "prompt" not in columns:
-        raise DataValidationError(None, None, "a 'prompt' or 'messages' column", Verbatim(f"columns {columns}"))
-    conversational = is_conversational_column(dataset, "prompt")
-    validate_rows(dataset, {"prompt": check_messages if conversational else check_text})
+    dataset, conversational = validate_prompt_dataset(as_dataset(dataset))
+    max_length = prompt_length_limit(args, max_positions)
     if conversational and tokenizer.chat_template is None:
         raise ValueError("the prompts are conversational but the tokenizer has no chat template")
-    if "input_ids" not in columns:
+    if "input_ids" not in dataset.column_names:
         prefix = special_prefix(tokenizer)
 
         def tokenize(row):
@@ -92,10 +144,15 @@ def prepare_prompt_dataset(dataset, tokenizer, args) -> Dataset:
             return {"input_ids": list(ids)}
 
         dataset = dataset.map(tokenize, num_proc=args.dataset_num_proc, desc="Tokenizing prompts")
-    return _apply_prompt_length(dataset, args.max_prompt_length, args.prompt_overlong_policy)
+        check_unknown_tokens(dataset, ("input_ids",), tokenizer, getattr(args, "max_unk_share", None),
+                             getattr(args, "strict", False), "prompt")
+    limit = (f"max_prompt_length={max_length}" if args.max_prompt_length is not None or max_length is None else
+             f"{max_length} (max_prompt_length unset: the model's {max_positions} positions minus "
+             f"response_length={args.response_length})")
+    return _apply_prompt_length(dataset, max_length, args.prompt_overlong_policy, limit)
 
 
-def _apply_prompt_length(dataset: Dataset, max_length: int | None, policy: str) -> Dataset:
+def _apply_prompt_length(dataset: Dataset, max_length: int | None, policy: str, limit: str) -> Dataset:
     lengths = [len(ids) for ids in dataset["input_ids"]]
     for row, n in enumerate(lengths):
         if n == 0:
@@ -106,17 +163,16 @@ def _apply_prompt_length(dataset: Dataset, max_length: int | None, policy: str) 
     if policy == "error":
         row = overlong[0]
         raise DataValidationError(
-            row, "prompt", f"at most max_prompt_length={max_length} tokens ({len(overlong)} of {len(lengths)} prompts "
+            row, "prompt", f"at most {limit} tokens ({len(overlong)} of {len(lengths)} prompts "
             "are longer; set prompt_overlong_policy='truncate' or 'drop' to go on)", Verbatim(f"{lengths[row]} tokens"))
     if policy == "drop":
-        logger.warning("%d of %d prompts longer than max_prompt_length=%d were dropped", len(overlong), len(lengths),
-                       max_length)
+        logger.warning("%d of %d prompts longer than %s were dropped", len(overlong), len(lengths), limit)
         if len(overlong) == len(lengths):
-            raise ValueError(f"all {len(lengths)} prompts are longer than max_prompt_length={max_length}")
+            raise ValueError(f"all {len(lengths)} prompts are longer than {limit}")
         keep = set(range(len(lengths))) - set(overlong)
         return dataset.select(sorted(keep))
-    logger.warning("%d of %d prompts longer than max_prompt_length=%d were truncated (their last tokens kept)",
-                   len(overlong), len(lengths), max_length)
+    logger.warning("%d of %d prompts longer than %s were truncated (their last tokens kept)",
+                   len(overlong), len(lengths), limit)
     return dataset.map(lambda row: {"input_ids": row["input_ids"][-max_length:]})
 
 

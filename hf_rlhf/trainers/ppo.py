@@ -145,7 +145,8 @@ class PPOTrainer(BaseTrainer):
             raise ValueError("reward_normalization='model_stats' needs reward_mean / reward_std in the reward model's "
                              "config (train it with RewardConfig(store_reward_stats=True)); a reward function has "
                              "none: use 'running' or 'none'.")
-        train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args)
+        positions = getattr(getattr(module.policy, "config", None), "max_position_embeddings", None)
+        train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args, max_positions=positions)
         self.ptx_dataset = self._prepare_ptx(ptx_dataset, processing_class, args)
         own = [KLControllerCallback(args.kl_coef, args.kl_target, args.kl_horizon), EpochFromStepCallback()]
         if args.reward_normalization == "running":

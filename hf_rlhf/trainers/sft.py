@@ -274,8 +274,15 @@ class SFTTrainer(BaseTrainer):
 
     def logged_metrics(self, mode: str, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
         """Token means (entropy, accuracy), and the running total of real tokens trained on (eval logs too, as TRL)."""
+        if self._num_tokens is None:  # the run's first log: go on from a resumed checkpoint's count
+            counts = [h["num_tokens"] for h in self.state.log_history if "num_tokens" in h]
+            self._num_tokens = counts[-1] if counts else 0
         if mode == "train":
             self._num_tokens += totals.get("num_tokens", (0.0, 0.0))[0]
         logs = super().logged_metrics(mode, {k: v for k, v in totals.items() if k != "num_tokens"})
         logs["num_tokens"] = float(self._num_tokens)
         return logs
+
+    def train(self, *args, **kwargs):
+        self._num_tokens = None  # set at the first log, from the log history a resumed checkpoint brings back
+        return super().train(*args, **kwargs)
