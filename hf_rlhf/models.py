@@ -123,7 +123,9 @@ def load_model(model_config: ModelConfig, model_class=AutoModelForCausalLM, **kw
     if isinstance(kwargs.get("dtype"), str):
         kwargs = {**kwargs, "dtype": resolve_dtype(kwargs["dtype"])}
     init.update(kwargs)
-    return model_class.from_pretrained(model_config.model_name_or_path, **init)
+    model = model_class.from_pretrained(model_config.model_name_or_path, **init)
+    keep_4bit_differentiable(model)  # training, rollouts and evaluation then compute alike (see its docstring)
+    return model
 
 
 def resolve_model(model, model_config: ModelConfig | None, model_class=AutoModelForCausalLM, **kwargs):
