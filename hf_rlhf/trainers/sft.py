@@ -58,11 +58,12 @@ def token_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     whose shifted label is not -100); divide by `token_accuracy_counts`'s total for the mean.
 
     Args:
-        logits: (B, T, V) causal LM logits.
+        logits: (B, T', V) causal LM logits, T' >= T (virtual tokens of prompt learning first, skipped).
         labels: (B, T) with -100 where no loss is taken.
     Returns:
         0-dim float tensor: Σ over those positions of H(softmax(logits)) = logsumexp(l) − Σ softmax(l)·l.
     """
+    logits = logits[..., -labels.shape[-1]:, :]  # prompt-learning adapters put virtual tokens first
     picked = logits[..., :-1, :][labels[..., 1:] != -100].float()  # (N, V)
     log_probs = torch.log_softmax(picked, dim=-1)
     return -(log_probs.exp() * log_probs).sum()
