@@ -116,7 +116,8 @@ def prompt_length_limit(args, max_positions: int | None) -> int | None:
     return limit if args.max_prompt_length is None else args.max_prompt_length
 
 
-def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None = None) -> Dataset:
+def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None = None,
+                           conversational: bool | None = None) -> Dataset:
     """Validate and tokenize prompt rows: adds `input_ids` (the prompt's tokens); other columns are kept.
 
     Rows have a `prompt` (a string, or a list of messages) or a `messages` list (renamed to `prompt`). Plain
@@ -125,10 +126,16 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
     model's positions minus the response length) follow `args.prompt_overlong_policy`; prompts made mostly of
     unknown tokens are counted (`check_unknown_tokens`).
 
+    Args:
+        conversational: None: the rows are checked here (`validate_prompt_dataset`); a bool: `dataset` is what
+            `validate_prompt_dataset` returned, with this kind of prompts (PPOTrainer checks the rows before it loads
+            any model, so they are not checked twice).
+
     Raises:
         DataValidationError: naming the row and field (a missing or empty prompt, a prompt that is too long).
     """
-    dataset, conversational = validate_prompt_dataset(as_dataset(dataset))
+    if conversational is None:
+        dataset, conversational = validate_prompt_dataset(as_dataset(dataset))
     max_length = prompt_length_limit(args, max_positions)
     if conversational and tokenizer.chat_template is None:
         raise ValueError("the prompts are conversational but the tokenizer has no chat template")

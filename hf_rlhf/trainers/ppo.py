@@ -30,12 +30,12 @@ from transformers import AutoModelForSequenceClassification, DataCollatorWithPad
 
 from ..collators import PaddingCollator
 from ..configs import DataOptions, ModelConfig
-from ..data import prepare_sft_dataset
+from ..data import as_dataset, prepare_sft_dataset
 from ..models import load_model, resolve_model
 from ..ppo.callbacks import EpochFromStepCallback, KLControllerCallback, RewardStatsCallback, find_callback
 from ..ppo.config import PPOConfig
 from ..ppo.experience import Experience
-from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator
+from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator, validate_prompt_dataset
 from ..ppo.losses import policy_loss, value_loss
 from ..ppo.policy_value import PolicyAndValue, response_logits
 from ..ppo.rollout import RolloutMaker
@@ -127,6 +127,8 @@ class PPOTrainer(BaseTrainer):
         if eval_dataset is not None or args.eval_strategy != "no":
             raise NotImplementedError("PPOTrainer has no evaluation loop: leave eval_strategy='no' and evaluate the "
                                       "policy (trainer.model.policy) in a callback, e.g. with hf_rlhf.toy.exact_match.")
+        # the prompt rows are checked before any model is loaded: a bad row fails in seconds, naming row and field
+        train_dataset, conversational = validate_prompt_dataset(as_dataset(train_dataset))
         set_seed(args.seed)  # as the Trainer does, but before the value head (and a value adapter) are initialised
         policy, model_config = resolve_model(model, model_config)
         processing_class = self.resolve_tokenizer(processing_class, policy)
@@ -146,7 +148,8 @@ class PPOTrainer(BaseTrainer):
                              "config (train it with RewardConfig(store_reward_stats=True)); a reward function has "
                              "none: use 'running' or 'none'.")
         positions = getattr(getattr(module.policy, "config", None), "max_position_embeddings", None)
-        train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args, max_positions=positions)
+        train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args, max_positions=positions,
+                                               conversational=conversational)
         self.ptx_dataset = self._prepare_ptx(ptx_dataset, processing_class, args)
         own = [KLControllerCallback(args.kl_coef, args.kl_target, args.kl_horizon), EpochFromStepCallback()]
         if args.reward_normalization == "running":

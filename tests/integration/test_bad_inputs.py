@@ -255,3 +255,14 @@ def test_the_command_line_prints_the_message_and_exits_non_zero(tmp_path, tiny_m
     assert done.returncode == 1
     assert f"[hf_rlhf] error: {data}: expected at least one row, got an empty file" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_ppo_trainer_checks_its_prompts_before_it_loads_the_policy(tmp_path, no_model):
+    from hf_rlhf import PPOTrainer
+
+    prompts = [[{"role": "user", "content": "3+4="}],
+               [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]]
+    args = PPOConfig(output_dir=str(tmp_path / "out"), report_to="none", per_device_train_batch_size=2)
+    with pytest.raises(DataValidationError, match=r"row 1, field 'prompt\[1\]\.role'.*got 'assistant'"):
+        PPOTrainer(str(tmp_path / "policy"), lambda prompts, completions, **kw: [0.0] * len(prompts), args=args,
+                   train_dataset=[{"prompt": p} for p in prompts])
