@@ -115,7 +115,6 @@ class ModelConfig(trl.ModelConfig):
 OVERLONG_CHOICES = ["truncate", "drop", "error"]
 
 
-@renamed_options("max_seq_length")
 @dataclass
 class InputCheckOptions:
     """How strict the up-front input checks are (`hf_rlhf.data.check_unknown_tokens`); in every trainer config.
@@ -130,6 +129,7 @@ class InputCheckOptions:
     strict: bool = field(default=False, metadata={"help": "Rows above max_unk_share are an error, not a warning."})
 
 
+@renamed_options("max_seq_length")
 @dataclass
 class DataOptions(InputCheckOptions):
     """Dataset preparation options shared by SFT and reward data (mixed into `SFTConfig` and `RewardConfig`).

@@ -45,6 +45,7 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
 
     config_class: type = None
     default_output_dir: str = "output"
+    counts_tokens: bool = False  # log `num_tokens`: the trainer adds each batch's real tokens to metrics["train"]
 
     # -- setup -----------------------------------------------------------------------------------
     @classmethod
@@ -160,6 +161,7 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
     def __init__(self, *args, **kwargs):
         # {"train": ..., "eval": ...}: what `log` adds to the Trainer's logs of that mode
         self.metrics = {"train": MetricAccumulator(), "eval": MetricAccumulator()}
+        self._num_tokens = None  # real tokens trained on so far (`counts_tokens`)
         super().__init__(*args, **kwargs)
         self.activation_offload_context = contextlib.nullcontext()
         if getattr(self.args, "activation_offloading", False):  # the configs refuse it without CUDA
@@ -172,8 +174,22 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
             return super().training_step(*args, **kwargs)
 
     def logged_metrics(self, mode: str, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
-        """What is logged from the accumulated (sum, weight) totals of `mode`; default: each sum / weight."""
-        return {name: s / w for name, (s, w) in totals.items() if w > 0}
+        """What is logged from the accumulated (sum, weight) totals of `mode`: each sum / weight, and for a trainer
+        that `counts_tokens`, `num_tokens`: the running total of real tokens trained on (TRL's, in train and eval
+        logs), continued from a resumed checkpoint's log history."""
+        logs = {name: s / w for name, (s, w) in totals.items() if w > 0 and name != "num_tokens"}
+        if self.counts_tokens:
+            if self._num_tokens is None:  # the run's first log: go on from a resumed checkpoint's count
+                counts = [h["num_tokens"] for h in self.state.log_history if "num_tokens" in h]
+                self._num_tokens = counts[-1] if counts else 0
+            if mode == "train":
+                self._num_tokens += totals.get("num_tokens", (0.0, 0.0))[0]
+            logs["num_tokens"] = float(self._num_tokens)
+        return logs
+
+    def train(self, *args, **kwargs):
+        self._num_tokens = None  # set at the first log, from the log history a resumed checkpoint brings back
+        return super().train(*args, **kwargs)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"

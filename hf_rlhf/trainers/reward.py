@@ -83,6 +83,7 @@ class RewardTrainer(BaseTrainer):
 
     config_class = RewardConfig
     default_output_dir = "reward-output"
+    counts_tokens = True
     feature_columns = ("chosen_ids", "rejected_ids", "margin")  # what PairwiseCollator reads
     loss_is_scaled_for_ga = False  # the loss is a mean over the batch's pairs; the Trainer divides by GA steps
 
@@ -131,7 +132,6 @@ class RewardTrainer(BaseTrainer):
         self.label_names = []  # no labels: prediction_step makes its own
         self._score_head = find_score_head(self.model)  # after peft: the wrapped head
         self._eager = getattr(reward_config_of(self.model), "_attn_implementation", None) == "eager"
-        self._num_tokens = 0  # real tokens trained on so far (TRL's `num_tokens`)
 
     # -- setup ---------------------------------------------------------------------------------
     @staticmethod
@@ -190,14 +190,6 @@ class RewardTrainer(BaseTrainer):
         metrics.add_max("max_reward", rewards)
         if mode == "train":
             metrics.add("num_tokens", real_token_count(inputs), 0)
-
-    def logged_metrics(self, mode: str, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
-        """The means and extremes; `num_tokens` is the running total of real tokens trained on (eval logs too)."""
-        if mode == "train":
-            self._num_tokens += totals.get("num_tokens", (0.0, 0.0))[0]
-        logs = super().logged_metrics(mode, {k: v for k, v in totals.items() if k != "num_tokens"})
-        logs["num_tokens"] = float(self._num_tokens)
-        return logs
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)

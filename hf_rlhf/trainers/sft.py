@@ -129,6 +129,7 @@ class SFTTrainer(BaseTrainer):
 
     config_class = SFTConfig
     default_output_dir = "sft-output"
+    counts_tokens = True
     # columns the collators read; the Trainer's remove_unused_columns must keep them
     feature_columns = ("input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths", "position_ids")
 
@@ -187,7 +188,6 @@ class SFTTrainer(BaseTrainer):
                          compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
                          optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics)
-        self._num_tokens = 0  # real tokens trained on so far (TRL's `num_tokens`)
 
     # -- setup ---------------------------------------------------------------------------------
     @staticmethod
@@ -272,18 +272,3 @@ class SFTTrainer(BaseTrainer):
                 real = real_token_count(inputs)
             self.metrics[mode].add("num_tokens", real, 0)
         return (loss, outputs) if return_outputs else loss
-
-    def logged_metrics(self, mode: str, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
-        """Token means (entropy, accuracy), and the running total of real tokens trained on (eval logs too, as TRL)."""
-        if self._num_tokens is None:  # the run's first log: go on from a resumed checkpoint's count
-            counts = [h["num_tokens"] for h in self.state.log_history if "num_tokens" in h]
-            self._num_tokens = counts[-1] if counts else 0
-        if mode == "train":
-            self._num_tokens += totals.get("num_tokens", (0.0, 0.0))[0]
-        logs = super().logged_metrics(mode, {k: v for k, v in totals.items() if k != "num_tokens"})
-        logs["num_tokens"] = float(self._num_tokens)
-        return logs
-
-    def train(self, *args, **kwargs):
-        self._num_tokens = None  # set at the first log, from the log history a resumed checkpoint brings back
-        return super().train(*args, **kwargs)
