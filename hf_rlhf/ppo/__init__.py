@@ -1,21 +1,39 @@
-"""PPO math as pure tensor functions: KL penalty and controllers, rewards and GAE, clipped losses.
+"""PPO math as pure tensor functions: KL penalty and controllers, rewards and GAE, critic-free advantages, losses.
 
 Importable with torch alone; the tensor helpers they share live in `hf_rlhf.tensors`.
 """
 
 from .advantages import gae, per_token_rewards
+from .critic_free import (
+    LOSS_TYPES,
+    SCALE_REWARDS,
+    aggregate_loss,
+    broadcast_to_tokens,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    whiten_advantages,
+)
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from .losses import policy_loss, value_loss
 
 __all__ = [
     "KL_ESTIMATORS",
+    "LOSS_TYPES",
+    "SCALE_REWARDS",
     "AdaptiveKLController",
     "FixedKLController",
+    "aggregate_loss",
+    "broadcast_to_tokens",
     "gae",
+    "grpo_advantages",
     "kl_penalty",
     "per_token_rewards",
     "policy_loss",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
     "value_loss",
+    "whiten_advantages",
 ]
 
 # The trainer-side pieces import transformers / trl / datasets, so they load on first use: `import hf_rlhf.ppo.kl`
