@@ -60,7 +60,7 @@ def test_critic_free_trains_the_policy_alone(tmp_path, tokenizer, prompts, estim
                                          with_kwargs=True)
     args = make_args(tmp_path, estimator)
     trainer = PPOTrainer(build_toy_model(tokenizer), reward, args=args, train_dataset=prompts,
-                         processing_class=tokenizer)
+                         processing_class=tokenizer, reward_processing_class=tokenizer)
     module = trainer.model
     assert module.value_head is None and module.value_model is None and module.value_parameter_names() == set()
     assert all(name.startswith("policy.") for name, _ in module.named_parameters())
@@ -79,12 +79,13 @@ def test_critic_free_trains_the_policy_alone(tmp_path, tokenizer, prompts, estim
         assert {"loss/policy_avg", "policy/approxkl_avg", "objective/kl", "objective/scores"} <= set(log)
         assert all(torch.isfinite(torch.tensor(v)) for v in log.values() if isinstance(v, float))
 
-    # one scoring call per rollout, its rows in groups of G identical prompts
+    # one scoring call per rollout (the reward model: one forward), its rows in groups of G identical prompts
     group = args.num_generations
     assert len(seen) == 1 and len(seen[0]) == 8
-    assert all(seen[0][g] == seen[0][g - g % group] for g in range(8))
-    if group > 1:
-        assert seen[0][0] != seen[0][group]  # the control: the next group is another prompt
+    if source == "function":
+        assert all(seen[0][g] == seen[0][g - g % group] for g in range(8))
+        if group > 1:
+            assert seen[0][0] != seen[0][group]  # the control: the next group is another prompt
 
     # the saved output is the policy alone, reloadable; nothing of a value function is written
     trainer.save_model(str(tmp_path / "final"))
