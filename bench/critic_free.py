@@ -102,7 +102,10 @@ def worker(name: str, settings: dict, threads: int, model_dir: str) -> dict:
         trainer, models = build(estimator, model_dir, prompts, settings, tmp)
         timer.install({role: ppo_bench.backbone(model) for role, model in models.items() if model is not None})
         register_optimizer_step_post_hook(lambda *a: steps.append(1))
+        timeline = MemoryTimeline()
+        trainer.add_callback(timeline)
         rss_before_train = psutil.Process().memory_info().rss / ppo_bench.MB
+        timeline.record("before_train")
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
@@ -113,7 +116,31 @@ def worker(name: str, settings: dict, threads: int, model_dir: str) -> dict:
         "rss_before_train_mb": rss_before_train, "peak_increase_mb": peak - rss_import,
         "memory": ppo_bench.memory_report({k: v for k, v in models.items() if v is not None}, trainer.optimizer),
         "phases": timer.report(seconds), "threads": torch.get_num_threads(), "load_before": os.getloadavg()[0],
+        "memory_timeline": timeline.points,
     }
+
+
+class MemoryTimeline:
+    """Peak and current RSS (MB) and the count of imported modules before training and after each optimizer step:
+    whether the peak comes from one-time costs of the first step (lazy imports, allocator growth) or grows later."""
+
+    def __init__(self):
+        self.points = []
+
+    def record(self, when) -> None:
+        import psutil
+
+        self.points.append({"when": when, "peak_mb": round(ppo_bench.peak_rss_mb(), 1),
+                            "rss_mb": round(psutil.Process().memory_info().rss / ppo_bench.MB, 1),
+                            "modules": len(sys.modules)})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.record(state.global_step)
+
+    def __getattr__(self, name):  # the other TrainerCallback events: nothing to do
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
 
 
 # ----------------------------------------------------------------------------------------------- parent side
