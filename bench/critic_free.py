@@ -17,7 +17,12 @@ episodes/s = completions generated / wall time of `trainer.train()`. Peak RSS = 
 end (VmHWM). Each run also times where `train()` went (bench/ppo.py's `PhaseTimer`: generation, forwards by model,
 backward, optimizer, gc) and counts the bytes of weights, trainable parameters and optimizer state.
 
+The value group (`--configs value`) measures what the critic-free estimators save: hf_rlhf REINFORCE++ (no value
+function) against PPO/GAE with a value head on the policy backbone and with a separate value model, on the same
+prompts, one completion per prompt, the same KL (β = 0.05, k1, in the reward) and the same steps.
+
     python bench/critic_free.py                          # ~10 min on 2 busy CPU cores
+    python bench/critic_free.py --configs value          # what PPO's value head / value model costs
     python bench/critic_free.py --quick --repeats 1      # smoke run: 4 workers, ~2 min on 2 busy cores
 """
 
@@ -36,15 +41,26 @@ from pathlib import Path
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 import ppo as ppo_bench  # bench/ppo.py: PhaseTimer, peak_rss_mb, backbone, memory_report
 
-CONFIGS = ("hf_rlhf_grpo", "trl_grpo", "hf_rlhf_rloo", "trl_rloo")
-REFERENCE = {"hf_rlhf_grpo": "trl_grpo", "hf_rlhf_rloo": "trl_rloo"}
+# config -> (library, advantage estimator, value function)
+CONFIGS = {
+    "hf_rlhf_grpo": ("hf_rlhf", "grpo", None), "trl_grpo": ("trl", "grpo", None),
+    "hf_rlhf_rloo": ("hf_rlhf", "rloo", None), "trl_rloo": ("trl", "rloo", None),
+    # the value group: what the value function costs, on PPO's one sample per prompt (--configs value)
+    "hf_rlhf_reinforce_pp": ("hf_rlhf", "reinforce_pp", None),
+    "hf_rlhf_ppo_value_head": ("hf_rlhf", "gae", "head"),
+    "hf_rlhf_ppo_value_model": ("hf_rlhf", "gae", "model"),
+}
+DEFAULT_CONFIGS = ("hf_rlhf_grpo", "trl_grpo", "hf_rlhf_rloo", "trl_rloo")
+VALUE_CONFIGS = ("hf_rlhf_reinforce_pp", "hf_rlhf_ppo_value_head", "hf_rlhf_ppo_value_model")
+REFERENCE = {"hf_rlhf_grpo": "trl_grpo", "hf_rlhf_rloo": "trl_rloo", "hf_rlhf_ppo_value_head": "hf_rlhf_reinforce_pp",
+             "hf_rlhf_ppo_value_model": "hf_rlhf_reinforce_pp"}
 PRESETS = {
     # completions per optimizer step = micro x grad_accum = prompts_per_step x num_generations
     "full": dict(model_size="small", micro=16, grad_accum=2, num_generations=8, response_length=16, steps=12),
     "quick": dict(model_size="tiny", micro=4, grad_accum=2, num_generations=4, response_length=8, steps=2),
 }
 COMMON = dict(temperature=0.7, learning_rate=1e-5)
-KL = {"grpo": 0.04, "rloo": 0.05}  # TRL's default betas
+KL = {"grpo": 0.04, "rloo": 0.05, "reinforce_pp": 0.05, "gae": 0.05}  # TRL's default betas (GRPO, RLOO)
 
 
 def digit_reward(prompts, completions, **kwargs):
@@ -70,16 +86,24 @@ def build_trl(estimator: str, model_dir: str, prompts, settings: dict, output_di
     return trainer, {"policy": trainer.model, "reference": trainer.ref_model}
 
 
-def build_hf_rlhf(estimator: str, model_dir: str, prompts, settings: dict, output_dir: str):
+def build_hf_rlhf(estimator: str, model_dir: str, prompts, settings: dict, output_dir: str, value: str | None = None):
     from hf_rlhf import PPOConfig, PPOTrainer
 
     kl = dict(kl_in_loss=True, kl_estimator="k3") if estimator == "grpo" else dict(kl_estimator="k1")
     args = PPOConfig(**trainer_options(settings, output_dir), advantage_estimator=estimator,
-                     num_generations=settings["num_generations"], num_ppo_epochs=1,
+                     num_generations=num_generations(estimator, settings), num_ppo_epochs=1,
                      rollout_batch_size=settings["micro"] * settings["grad_accum"],
                      response_length=settings["response_length"], kl_coef=KL[estimator], **kl)
-    trainer = PPOTrainer(model_dir, digit_reward, args=args, train_dataset=prompts)
-    return trainer, {"policy": trainer.model.policy, "reference": trainer.ref_model}
+    # the value model: a one-label classifier on the policy's weights (TRL's PPO examples start it from the RM)
+    trainer = PPOTrainer(model_dir, digit_reward, args=args, train_dataset=prompts,
+                         value_model=model_dir if value == "model" else None)
+    module = trainer.model
+    return trainer, {"policy": module.policy, "reference": trainer.ref_model,
+                     "value": module.value_model if value == "model" else module.value_head}
+
+
+def num_generations(estimator: str, settings: dict) -> int:
+    return settings["num_generations"] if estimator in ("grpo", "rloo") else 1
 
 
 def worker(name: str, settings: dict, threads: int, model_dir: str) -> dict:
@@ -88,19 +112,25 @@ def worker(name: str, settings: dict, threads: int, model_dir: str) -> dict:
     from datasets import Dataset
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    library, estimator = name.rsplit("_", 1)  # "hf_rlhf_grpo" -> ("hf_rlhf", "grpo")
+    library, estimator, value = CONFIGS[name]
     if library == "trl":
         import trl  # noqa: F401
     else:
         import hf_rlhf.trainers.ppo  # noqa: F401
     torch.set_num_threads(threads)
     rss_import = ppo_bench.peak_rss_mb()
-    prompts = Dataset.from_list(json.loads(Path(model_dir, "prompts.json").read_text()))
+    group = num_generations(estimator, settings)
+    prompts = Dataset.from_list(json.loads(Path(model_dir, f"prompts_g{group}.json").read_text()))
     timer, steps = ppo_bench.PhaseTimer(), []
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON
-        build = build_trl if library == "trl" else build_hf_rlhf
-        trainer, models = build(estimator, model_dir, prompts, settings, tmp)
-        timer.install({role: ppo_bench.backbone(model) for role, model in models.items() if model is not None})
+        if library == "trl":
+            trainer, models = build_trl(estimator, model_dir, prompts, settings, tmp)
+        else:
+            trainer, models = build_hf_rlhf(estimator, model_dir, prompts, settings, tmp, value)
+        timed = {role: model for role, model in models.items() if model is not None}
+        if value != "model":
+            timed.pop("value", None)  # a value head is no backbone: its cost is inside the policy's forward
+        timer.install({role: ppo_bench.backbone(model) for role, model in timed.items()})
         register_optimizer_step_post_hook(lambda *a: steps.append(1))
         timeline = MemoryTimeline()
         trainer.add_callback(timeline)
@@ -153,9 +183,9 @@ def prepare(settings: dict, root: str) -> str:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(root)
     tokenizer.save_pretrained(root)
-    prompts_per_step = settings["micro"] * settings["grad_accum"] // settings["num_generations"]
-    rows = prompt_dataset(prompts_per_step * settings["steps"], seed=0)
-    Path(root, "prompts.json").write_text(json.dumps([{"prompt": p} for p in rows["prompt"]]))
+    for group in {1, settings["num_generations"]}:  # the prompts of one step = its completions / G
+        rows = prompt_dataset(settings["micro"] * settings["grad_accum"] // group * settings["steps"], seed=0)
+        Path(root, f"prompts_g{group}.json").write_text(json.dumps([{"prompt": p} for p in rows["prompt"]]))
     return root
 
 
@@ -208,7 +238,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny preset (a smoke run)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated, of {', '.join(CONFIGS)}; 'value' = the value group")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", default="bench/results/critic_free.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -218,7 +249,7 @@ def main(argv=None) -> dict:
     if cli.worker:
         print(json.dumps(worker(cli.worker, json.loads(cli.settings), cli.threads, cli.model_dir)))
         return {}
-    configs = cli.configs.split(",")
+    configs = list(VALUE_CONFIGS) if cli.configs == "value" else cli.configs.split(",")
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
