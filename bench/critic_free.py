@@ -13,7 +13,8 @@ function. The KL is what each TRL trainer does by default, with its default β:
   rloo: β = 0.05 as a reward penalty, β·Σ k1 subtracted from the score (TRL's `beta=0.05`; hf_rlhf `kl_coef=0.05`).
 Episodes (completions generated) and optimizer steps are counted in every run and checked equal across a pair.
 
-episodes/s = completions generated / wall time of `trainer.train()`. Peak RSS = the worker's high-water mark at the
+episodes/s = completions generated / wall time of `trainer.train()` (episodes/CPU-s: / its CPU time, one thread,
+steadier than wall time on a loaded machine). Peak RSS = the worker's high-water mark at the
 end (VmHWM). Each run also times where `train()` went (bench/ppo.py's `PhaseTimer`: generation, forwards by model,
 backward, optimizer, gc) and counts the bytes of weights, trainable parameters and optimizer state.
 
@@ -136,12 +137,13 @@ def worker(name: str, settings: dict, threads: int, model_dir: str) -> dict:
         trainer.add_callback(timeline)
         rss_before_train = psutil.Process().memory_info().rss / ppo_bench.MB
         timeline.record("before_train")
-        start = time.perf_counter()
+        cpu_start, start = time.process_time(), time.perf_counter()
         trainer.train()
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = ppo_bench.peak_rss_mb()
     return {
         "config": name, "seconds": seconds, "episodes": timer.rows, "episodes_per_s": timer.rows / seconds,
+        "cpu_seconds": cpu_seconds, "episodes_per_cpu_s": timer.rows / cpu_seconds,
         "optimizer_steps": len(steps), "peak_rss_mb": peak, "rss_after_import_mb": rss_import,
         "rss_before_train_mb": rss_before_train, "peak_increase_mb": peak - rss_import,
         "memory": ppo_bench.memory_report({k: v for k, v in models.items() if v is not None}, trainer.optimizer),
@@ -202,7 +204,7 @@ def summarize(runs: list[dict], configs: list[str], repeats: int) -> dict:
     by = {(i // len(configs), run["config"]): run for i, run in enumerate(runs)}
     for name in configs:
         entry = {}
-        for metric in ("episodes_per_s", "peak_rss_mb", "peak_increase_mb"):
+        for metric in ("episodes_per_s", "episodes_per_cpu_s", "peak_rss_mb", "peak_increase_mb"):
             entry[f"median_{metric}"] = statistics.median(by[r, name][metric] for r in range(repeats))
             reference = REFERENCE.get(name)
             if reference in configs:  # paired ratios: the runs of one round ran side by side in time
@@ -213,12 +215,12 @@ def summarize(runs: list[dict], configs: list[str], repeats: int) -> dict:
 
 
 def markdown_table(summary: dict) -> str:
-    lines = ["| config | median episodes/s | median peak RSS MB | episodes/s vs TRL | peak RSS vs TRL |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| config | median episodes/s | median peak RSS MB | episodes/s vs TRL | episodes/CPU-s vs TRL "
+             "| peak RSS vs TRL |", "|---|---:|---:|---:|---:|---:|"]
     for name, e in summary.items():
         ratio = lambda m: f"{e[f'median_ratio_{m}']:.2f}×" if f"median_ratio_{m}" in e else "–"  # noqa: E731
         lines.append(f"| {name} | {e['median_episodes_per_s']:.2f} | {e['median_peak_rss_mb']:,.0f} "
-                     f"| {ratio('episodes_per_s')} | {ratio('peak_rss_mb')} |")
+                     f"| {ratio('episodes_per_s')} | {ratio('episodes_per_cpu_s')} | {ratio('peak_rss_mb')} |")
     return "\n".join(lines)
 
 
