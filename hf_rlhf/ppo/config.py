@@ -69,7 +69,7 @@ class PPOConfig(DeviceDefaultsMixin, TrainingArguments):
             controller (Ziegler et al. 2019), with `kl_horizon`.
     PPO:
         gamma, lam: GAE. cliprange, cliprange_value: PPO clipping. vf_coef, entropy_coef: loss weights.
-        whiten_advantages (TRL always whitens), whiten_rewards (TRL's option, scale only).
+        whiten_advantages (TRL always whitens), whiten_rewards (TRL's option, scale only): gae only.
         value_learning_rate: learning rate of the value head / value model (None: `learning_rate`).
         ptx_coef: weight of the language-modelling loss on the `ptx_dataset` given to the trainer (InstructGPT's
             PPO-ptx); 0 turns it off.
