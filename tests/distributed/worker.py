@@ -68,11 +68,21 @@ def digit_reward(prompts, completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-def group_reward(prompts, completions, **kwargs):
-    """`digit_reward` plus 0.1 x the row's place in its group of 2: greedy rollouts sample a prompt's 2 completions
-    alike, and a group baseline would leave nothing to learn. Each rank scores whole groups, so the place (row % 2)
-    is the same in every launch."""
-    return [r + 0.1 * (i % 2) for i, r in enumerate(digit_reward(prompts, completions))]
+class SecondChoiceOnOddRows:
+    """A logits processor for greedy rollouts: rows 1, 3, 5, ... take their second most likely token at every step.
+
+    Greedy decoding gives a prompt's 2 samples the same completion, and a group baseline then cancels their
+    gradients exactly (what is left is rounding noise, which Adam turns into full-size steps). Each rank generates
+    whole groups in order, so a row's place in its group (row % 2) is the same in every launch.
+    """
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        odd = torch.arange(scores.shape[0], device=scores.device) % 2 == 1
+        best = scores.argmax(dim=-1, keepdim=True)
+        masked = scores.scatter(-1, best, float("-inf"))
+        return torch.where(odd.unsqueeze(-1), masked, scores)
 
 
 def common_args(out: str, steps: int, per_device: int) -> dict:
@@ -114,8 +124,11 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
     args = PPOConfig(**common, learning_rate=3e-3, gradient_accumulation_steps=2, rollout_batch_size=2 * per_device,
                      num_ppo_epochs=1, response_length=6, temperature=1.0, generation_kwargs={"do_sample": False},
                      kl_coef=0.05, kl_target=0.01, kl_horizon=16, reward_normalization="running", **options)
-    reward = group_reward if options.get("num_generations", 1) > 1 else digit_reward
-    return PPOTrainer(model, reward, args=args, train_dataset=prompt_dataset(64, seed=0),
+    if options.get("num_generations", 1) > 1:
+        from transformers import LogitsProcessorList
+
+        args.generation_kwargs["logits_processor"] = LogitsProcessorList([SecondChoiceOnOddRows()])
+    return PPOTrainer(model, digit_reward, args=args, train_dataset=prompt_dataset(64, seed=0),
                       processing_class=tokenizer,
                       callbacks=[PlotCallback(["objective/kl", "objective/kl_coef"], filename="ppo_curves.png"),
                                  SampleCompletionsCallback(["1+2=", "3*4="], max_new_tokens=4)])
