@@ -191,11 +191,14 @@ def test_two_processes_match_one(runs, engine, task):
     diff = max(abs(a - b) for a, b in zip(multi["loss"], single["loss"]))
     print(f"\n[matrix] {task} x {engine}: pass, {multi['wall_s']:.1f} s, max |loss diff| {diff:.2e}")
     assert diff <= TOLERANCE, (multi["loss"], single["loss"])
-    assert single["loss"][-1] != single["loss"][0]  # it trained
-    if task in PPO_TASKS:  # on-policy group baselines give losses near 0 at ratio 1: the gradients must agree too
+    if task in PPO_TASKS:
+        # one on-policy step per rollout: zero-mean advantages (RLOO, whitened) give a loss of 0 at ratio 1 however
+        # the policy moves, so the gradients must agree too, and be real
         norms = [[h["grad_norm"] for h in run["log_history"] if "grad_norm" in h] for run in (multi, single)]
         assert len(norms[0]) == STEPS and norms[0] == pytest.approx(norms[1], rel=1e-3), norms
-        assert min(norms[1]) > 0
+        assert min(norms[1]) > 1e-3, norms
+    if task not in ("rloo", "reinforce_pp"):
+        assert single["loss"][-1] != single["loss"][0]  # it trained
 
     # saved by rank 0 with the weights gathered (ZeRO-3), reloaded here: the single-process run's model
     torch.testing.assert_close(reloaded_outputs(task, multi["out"] / "out"),
