@@ -3,6 +3,7 @@
 Math (importable with torch alone; the tensor helpers they share live in `hf_rlhf.tensors`):
     kl.py               KL penalty estimators, `FixedKLController`, `AdaptiveKLController`
     advantages.py       per-token rewards with the KL penalty, GAE
+    critic_free.py      GRPO / RLOO / REINFORCE++ advantages, whitening, loss aggregation (`loss_type`)
     losses.py           clipped policy and value losses
     running_moments.py  `RunningMoments`: running reward statistics for `reward_normalization="running"`
 
@@ -20,20 +21,38 @@ The reward sources PPO scores with are `hf_rlhf.rewards`.
 
 from ..imports import lazy_exports
 from .advantages import gae, per_token_rewards
+from .critic_free import (
+    LOSS_TYPES,
+    SCALE_REWARDS,
+    aggregate_loss,
+    broadcast_to_tokens,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    whiten_advantages,
+)
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from .losses import policy_loss, value_loss
 from .running_moments import RunningMoments
 
 __all__ = [
     "KL_ESTIMATORS",
+    "LOSS_TYPES",
+    "SCALE_REWARDS",
     "AdaptiveKLController",
     "FixedKLController",
     "RunningMoments",
+    "aggregate_loss",
+    "broadcast_to_tokens",
     "gae",
+    "grpo_advantages",
     "kl_penalty",
     "per_token_rewards",
     "policy_loss",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
     "value_loss",
+    "whiten_advantages",
 ]
 
 # The loop pieces import transformers / trl / datasets / peft, so they load on first use: `import hf_rlhf.ppo.kl`

@@ -8,7 +8,9 @@ Batch sizes, per device, for one rollout::
     rollout_batch_size            prompts per rollout = micro x GA x num_mini_batches  (TRL's `local_batch_size`)
     num_ppo_epochs                passes over each rollout                           (TRL: same)
 
-so one rollout gives `num_mini_batches * num_ppo_epochs` optimizer steps. `max_steps` / `num_train_epochs` count
+so one rollout gives `num_mini_batches * num_ppo_epochs` optimizer steps. With `num_generations = G > 1` a rollout's
+rows are completions: `rollout_batch_size / G` prompts, each sampled G times (TRL's GRPO counts its batches in
+completions too); every rank samples its own prompts' G completions, so a prompt's group is on one rank. `max_steps` / `num_train_epochs` count
 optimizer steps and passes over the prompt dataset, as in every Trainer (TRL's `total_episodes` is not used).
 """
 
@@ -21,8 +23,12 @@ from transformers import TrainingArguments
 
 from ..config_checks import check_field_types, renamed_options
 from ..configs import DeviceDefaultsMixin, InputCheckOptions, NonFiniteOptions
+from .critic_free import LOSS_TYPES, SCALE_REWARDS
 from .kl import KL_ESTIMATORS
 
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+CRITIC_FREE = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # a baseline from the prompt's G samples
 REWARD_NORMALIZATIONS = ("none", "running", "model_stats")
 PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
 
@@ -36,7 +42,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         per_device_train_batch_size, gradient_accumulation_steps: the micro-batch and the micro-batches per
             optimizer step, as for any Trainer.
         num_mini_batches: optimizer steps per pass over one rollout.
-        rollout_batch_size: prompts per rollout per device. None: `per_device_train_batch_size *
+        rollout_batch_size: rows (completions) per rollout per device: `rollout_batch_size / num_generations`
+            prompts, each sampled `num_generations` times. None: `per_device_train_batch_size *
             gradient_accumulation_steps * num_mini_batches`. When given it must be a multiple of
             `per_device_train_batch_size * gradient_accumulation_steps`, and `num_mini_batches` is derived from it.
         num_ppo_epochs: passes over each rollout.
@@ -69,11 +76,25 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             controller (Ziegler et al. 2019), with `kl_horizon`.
     PPO:
         gamma, lam: GAE. cliprange, cliprange_value: PPO clipping. vf_coef, entropy_coef: loss weights.
-        whiten_advantages (TRL always whitens), whiten_rewards (TRL's option, scale only).
+        whiten_advantages (TRL always whitens), whiten_rewards (TRL's option, scale only): gae only.
         value_learning_rate: learning rate of the value head / value model (None: `learning_rate`).
         ptx_coef: weight of the language-modelling loss on the `ptx_dataset` given to the trainer (InstructGPT's
             PPO-ptx); 0 turns it off.
         disable_dropout: turn dropout off in the policy (and value model): PPO's first ratio is then exactly 1.
+    Advantage estimators (`hf_rlhf.ppo.critic_free`):
+        advantage_estimator: `gae` (PPO with a value function: the default), or a critic-free one, which builds and
+            steps no value head, value model or value adapter: `grpo` (group-normalised scores, Shao et al. 2024),
+            `rloo` (leave-one-out baseline, Ahmadian et al. 2024), `reinforce_pp` (REINFORCE++: KL-penalised returns
+            whitened over the global batch, Hu 2025) or `reinforce_pp_baseline` (its group-mean baseline variant).
+        num_generations: G, completions sampled per prompt (>= 2 for grpo, rloo and reinforce_pp_baseline).
+        scale_rewards: grpo: divide by the std of the `group` (GRPO), of the `batch`, or `none` (Dr. GRPO) (TRL).
+        normalize_advantages: rloo: whiten the advantages over the global batch (TRL's RLOO option).
+        kl_in_loss: the KL term goes into the loss, β·KL per token with `kl_estimator` (GRPO's: k3), instead of the
+            reward; β is still the controller's (fixed or adaptive). With it off, critic-free estimators subtract
+            β·Σ_t KL_t from each score before the baseline (as TRL's RLOO), reinforce_pp per token.
+        loss_type: how the policy loss is reduced (TRL's GRPO names): `dapo` (token mean over the optimizer step's
+            minibatch: the default, PPO's), `bnpo` (token mean per micro-batch), `grpo` (mean over sequences of
+            each sequence's token mean) or `dr_grpo` (token sum / (sequences x response_length)).
 
     Checkpoints may be taken at any step, also in the middle of a rollout's optimizer steps: the rollout being
     trained on is written into the checkpoint per rank (`ppo_experience_rank{r}.pt`) and read back on resume, so
@@ -149,6 +170,24 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     )
     ptx_coef: float = field(default=0.0, metadata={"help": "Weight of the LM loss on the ptx_dataset."})
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the policy/value."})
+    # advantage estimators
+    advantage_estimator: str = field(
+        default="gae", metadata={"help": "gae (PPO with a value function), grpo, rloo, reinforce_pp or "
+                                         "reinforce_pp_baseline (critic-free: no value function).",
+                                 "choices": list(ADVANTAGE_ESTIMATORS)},
+    )
+    num_generations: int = field(default=1, metadata={"help": "Completions sampled per prompt."})
+    scale_rewards: str = field(
+        default="group", metadata={"help": "grpo: std of the group, batch, or none (Dr. GRPO).",
+                                   "choices": list(SCALE_REWARDS)},
+    )
+    normalize_advantages: bool = field(default=False, metadata={"help": "rloo: whiten advantages over the batch."})
+    kl_in_loss: bool = field(default=False, metadata={"help": "KL as a loss term (GRPO) instead of a reward "
+                                                              "penalty."})
+    loss_type: str = field(
+        default="dapo", metadata={"help": "Policy loss reduction: dapo, bnpo, grpo or dr_grpo (TRL's names).",
+                                  "choices": list(LOSS_TYPES)},
+    )
 
     def __post_init__(self):
         check_field_types(self)
@@ -162,6 +201,16 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         self._check_options()
 
     @property
+    def critic_free(self) -> bool:
+        """True when no value function is trained (every estimator but gae)."""
+        return self.advantage_estimator in CRITIC_FREE
+
+    @property
+    def prompts_per_rollout(self) -> int:
+        """Prompts per rollout per device (each sampled `num_generations` times)."""
+        return self.rollout_batch_size // self.num_generations
+
+    @property
     def steps_per_rollout(self) -> int:
         """Optimizer steps made from one rollout."""
         return self.num_mini_batches * self.num_ppo_epochs
@@ -173,7 +222,7 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         minibatch = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if self.rollout_batch_size is None:
             self.rollout_batch_size = minibatch * self.num_mini_batches
-            return
+            return self._check_generations()
         if self.rollout_batch_size < 1 or self.rollout_batch_size % minibatch:
             raise ValueError(
                 f"PPOConfig.rollout_batch_size={self.rollout_batch_size} must be a positive multiple of "
@@ -181,11 +230,20 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
                 f"{self.gradient_accumulation_steps} = {minibatch}, so that every optimizer step takes whole "
                 "micro-batches of one rollout.")
         derived = self.rollout_batch_size // minibatch
+        self._check_generations()
         if self.num_mini_batches not in (1, derived):
             raise ValueError(
                 f"PPOConfig: rollout_batch_size={self.rollout_batch_size} gives {derived} mini-batches of {minibatch} "
                 f"but num_mini_batches={self.num_mini_batches}; set only one of them.")
         self.num_mini_batches = derived
+
+    def _check_generations(self):
+        if self.num_generations < 1 or self.rollout_batch_size % self.num_generations:
+            raise ValueError(f"PPOConfig.rollout_batch_size={self.rollout_batch_size} (completions per rollout) must "
+                             f"be a multiple of num_generations={self.num_generations} (completions per prompt).")
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.num_generations < 2:
+            raise ValueError(f"PPOConfig: advantage_estimator={self.advantage_estimator!r} needs num_generations >= 2 "
+                             f"(its baseline comes from the prompt's other samples), got {self.num_generations}.")
 
     def _check_options(self):
         checks = [
@@ -213,6 +271,19 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             (self.ptx_coef >= 0 and self.vf_coef >= 0 and self.entropy_coef >= 0,
              "ptx_coef, vf_coef and entropy_coef must be >= 0"),
             (self.value_learning_rate is None or self.value_learning_rate >= 0, "value_learning_rate must be >= 0"),
+            (self.advantage_estimator in ADVANTAGE_ESTIMATORS, f"advantage_estimator must be one of "
+                                                               f"{ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}"),
+            (self.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {SCALE_REWARDS}, "
+                                                  f"got {self.scale_rewards!r}"),
+            (self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}"),
+            (not (self.kl_in_loss and self.advantage_estimator == "gae"),
+             "kl_in_loss is for the critic-free estimators; gae's KL is a reward penalty (its value function "
+             "learns the penalised return)"),
+            (self.advantage_estimator != "reinforce_pp_baseline" or self.gamma == 1.0,
+             f"reinforce_pp_baseline needs gamma = 1 (as OpenRLHF forces it), got {self.gamma}"),
+            (not (self.critic_free and self.value_learning_rate is not None),
+             f"value_learning_rate has no value function to act on with advantage_estimator="
+             f"{self.advantage_estimator!r}"),
         ]
         for ok, message in checks:
             if not ok:

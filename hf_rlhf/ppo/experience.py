@@ -21,11 +21,11 @@ class Experience:
     response_mask: torch.Tensor  # (B, R) 1 on response tokens (the stop token included), 0 after it
     old_logprobs: torch.Tensor  # (B, R) log π_old(token) at rollout time (eval mode, temperature applied)
     ref_logprobs: torch.Tensor  # (B, R) log π_ref(token) under the reference (adapters off / frozen copy)
-    old_values: torch.Tensor  # (B, R) V_old(state before the token), at rollout time
+    old_values: torch.Tensor  # (B, R) V_old(state before the token), at rollout time; 0 for critic-free estimators
     scores: torch.Tensor  # (B,) sequence score after normalisation, clipping and the missing-eos penalty
     rewards: torch.Tensor  # (B, R) per-token reward: -β·KL on each token, plus the score on the last one
-    advantages: torch.Tensor  # (B, R) GAE advantages (whitened when `whiten_advantages`)
-    returns: torch.Tensor  # (B, R) value targets: unwhitened advantages + old values
+    advantages: torch.Tensor  # (B, R) the estimator's advantages (GAE: whitened when `whiten_advantages`)
+    returns: torch.Tensor  # (B, R) GAE: value targets (unwhitened advantages + old values); see estimate_advantages
 
     def __len__(self) -> int:
         return self.query_ids.shape[0]

@@ -5,8 +5,9 @@ wrapped one reads a batch ahead, which would make every rollout one optimizer st
 itself (`process_index` / `num_processes`). Per epoch of the prompt dataset::
 
     prompts (shuffled by seed + epoch, the same order on every rank)
-      -> rollouts of `rollout_batch_size` prompts per rank (the last incomplete one is dropped)
-      -> per rollout: `num_ppo_epochs` shuffled passes, cut into micro-batches of `micro_batch_size`
+      -> rollouts of `rollout_batch_size / num_generations` prompts per rank (the last incomplete one is dropped),
+         each prompt repeated `num_generations` times in consecutive rows: `rollout_batch_size` rows (completions)
+      -> per rollout: `num_ppo_epochs` shuffled passes over its rows, cut into micro-batches of `micro_batch_size`
 
 `len(loader)` is the number of micro-batches per epoch, so the Trainer's `steps_in_epoch` and
 `num_update_steps_per_epoch` come out right.
@@ -193,7 +194,7 @@ class ExperienceLoader:
     Args:
         dataset: tokenized prompts (`prepare_prompt_dataset`).
         make_experience: `(rows, dataset_indices) -> (Experience, stats)`; called once per rollout.
-        rollout_batch_size: prompts per rollout on this rank.
+        rollout_batch_size: rows (completions) per rollout on this rank.
         micro_batch_size: rows per yielded micro-batch.
         num_ppo_epochs: passes over each rollout.
         seed: seeds the prompt order and the micro-batch shuffles (own generators: the global RNG is untouched).
@@ -203,13 +204,18 @@ class ExperienceLoader:
         get_resume_dir: the checkpoint being resumed from, or None.
         device: where restored experience goes.
         extra_batch: `global_micro_batch_index -> dict`, merged into each micro-batch (the ptx rows).
+        num_generations: G, rows per prompt: each rollout takes `rollout_batch_size / G` prompts and hands each to
+            `make_experience` G times in a row (a prompt's group stays on this rank).
     """
 
     def __init__(self, dataset, make_experience: Callable, *, rollout_batch_size: int, micro_batch_size: int,
                  num_ppo_epochs: int, seed: int, process_index: int = 0, num_processes: int = 1,
                  gradient_accumulation_steps: int = 1, get_global_step: Callable[[], int] = lambda: 0,
                  get_resume_dir: Callable[[], str | None] = lambda: None, device=None,
-                 extra_batch: Callable[[int], dict] | None = None):
+                 extra_batch: Callable[[int], dict] | None = None, num_generations: int = 1):
+        if num_generations < 1 or rollout_batch_size % num_generations:
+            raise ValueError(f"rollout_batch_size={rollout_batch_size} is not a multiple of num_generations="
+                             f"{num_generations}")
         if rollout_batch_size % micro_batch_size:
             raise ValueError(f"rollout_batch_size={rollout_batch_size} is not a multiple of the micro-batch size "
                              f"{micro_batch_size}")
@@ -220,20 +226,25 @@ class ExperienceLoader:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.get_global_step, self.get_resume_dir = get_global_step, get_resume_dir
         self.device, self.extra_batch = device, extra_batch
+        self.num_generations = num_generations
         self.epoch = 0
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, prompt permutation)
         self._rollout: dict | None = None  # the rollout being handed out, and how far (for checkpoints)
         if self.rollouts_per_epoch == 0:
-            raise ValueError(f"the prompt dataset has {len(dataset)} rows; one rollout takes rollout_batch_size x "
-                             f"processes = {rollout_batch_size} x {num_processes} prompts")
+            raise ValueError(f"the prompt dataset has {len(dataset)} rows; one rollout takes rollout_batch_size / "
+                             f"num_generations x processes = {self.prompts_per_rollout} x {num_processes} prompts")
 
     @property
     def dataset(self):
         return self._dataset
 
     @property
+    def prompts_per_rollout(self) -> int:
+        return self.rollout_batch_size // self.num_generations
+
+    @property
     def rollouts_per_epoch(self) -> int:
-        return len(self._dataset) // (self.rollout_batch_size * self.num_processes)
+        return len(self._dataset) // (self.prompts_per_rollout * self.num_processes)
 
     @property
     def batches_per_rollout(self) -> int:
@@ -247,12 +258,12 @@ class ExperienceLoader:
 
     # -- orders (seeded generators, so a resumed run recomputes them without replaying anything) ---------
     def rollout_indices(self, epoch: int, rollout: int) -> list[int]:
-        """Dataset indices of this rank's prompts for one rollout."""
+        """Dataset indices of this rank's prompts for one rollout (each once: `num_generations` not applied)."""
         if self._order is None or self._order[0] != epoch:
             self._order = (epoch, torch.randperm(len(self._dataset), generator=seeded_generator(self.seed, epoch)))
         order = self._order[1]
-        start = (rollout * self.num_processes + self.process_index) * self.rollout_batch_size
-        return order[start:start + self.rollout_batch_size].tolist()
+        start = (rollout * self.num_processes + self.process_index) * self.prompts_per_rollout
+        return order[start:start + self.prompts_per_rollout].tolist()
 
     def _batch_order(self, epoch: int, rollout: int) -> list[list[int]]:
         generator = seeded_generator(self.seed, epoch, rollout, self.process_index, 1)
@@ -272,7 +283,7 @@ class ExperienceLoader:
             if offset:
                 self._rollout = self._restore(epoch, rollout, offset)
             else:
-                indices = self.rollout_indices(epoch, rollout)
+                indices = [i for i in self.rollout_indices(epoch, rollout) for _ in range(self.num_generations)]
                 rows = _rows(self._dataset, indices)
                 experience, stats = self.make_experience(rows, indices)
                 self._rollout = {"epoch": epoch, "rollout": rollout, "position": 0, "experience": experience,

@@ -47,6 +47,28 @@ def policy_loss(
         (loss, stats): loss is 0-dim; stats are detached 0-dim tensors: "clipfrac" (fraction of
         tokens where the clipped term binds), "approxkl" (½·mean((logp - logp_old)²)), "ratio" (mean).
     """
+    per_token, stats = policy_loss_per_token(logprobs, old_logprobs, advantages, mask, cliprange)
+    return _reduce(per_token, mask, normalizer), stats
+
+
+def policy_loss_per_token(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`policy_loss` before its reduction: max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) per token.
+
+    For the other reductions (`hf_rlhf.ppo.critic_free.aggregate_loss`, TRL's GRPO `loss_type`) and for adding a
+    per-token KL term first, as GRPO does.
+
+    Args:
+        As `policy_loss` (all (B, T)).
+
+    Returns:
+        (per_token_loss (B, T) with grad, stats as `policy_loss`'s).
+    """
     if not cliprange > 0:
         raise ValueError(f"cliprange must be > 0, got {cliprange}")
     advantages = advantages.detach()
@@ -54,14 +76,13 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = _reduce(torch.maximum(unclipped, clipped), mask, normalizer)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask),
             "approxkl": 0.5 * masked_mean(log_ratio.square(), mask),
             "ratio": masked_mean(ratio, mask),
         }
-    return loss, stats
+    return torch.maximum(unclipped, clipped), stats
 
 
 def value_loss(

@@ -6,7 +6,9 @@ The value function is either
   (b) a separate value model: a sequence-classification model with one label (its `score` head read at every
       token), or a `hf_rlhf.reward_models.ValueHeadModel`, e.g. initialised from the reward model, or
   (c) a value adapter: a second LoRA adapter ("value") of the policy's `PeftModel` with a value head on its last
-      hidden state: one frozen base for both (see `hf_rlhf.ppo.value_adapter`); two forwards, one per adapter.
+      hidden state: one frozen base for both (see `hf_rlhf.ppo.value_adapter`); two forwards, one per adapter; or
+  (d) none at all (`with_value=False`) for the critic-free estimators (GRPO, RLOO, REINFORCE++): no head, no
+      hidden states kept for it, no `value/` directory saved.
 
 One `nn.Module` means one optimizer (the value parameters may get their own learning rate) and one thing for
 DDP / DeepSpeed / FSDP to wrap. A plain wrapper around a model with tied embeddings fails the Trainer's safetensors
@@ -63,19 +65,23 @@ class PolicyAndValue(nn.Module):
         head_init_std: std of the value head's initial weights. None: 1/sqrt(hidden + 1) (Ziegler et al. 2019).
         value_adapter: the name of a trainable adapter of the policy `PeftModel` that the value head reads (c);
             None: the head reads the policy's own hidden states (a).
+        with_value: False for no value function at all (d); `forward` then returns `token_values=None`.
     """
 
     def __init__(self, policy: nn.Module, value_model: nn.Module | None = None, head_init_std: float | None = None,
-                 value_adapter: str | None = None):
+                 value_adapter: str | None = None, with_value: bool = True):
         super().__init__()
         if value_adapter is not None and (value_model is not None or value_adapter not in policy.peft_config):
             raise ValueError(f"value_adapter={value_adapter!r} needs a PeftModel policy with that adapter and no "
                              "value_model")
+        if not with_value and (value_model is not None or value_adapter is not None):
+            raise ValueError("with_value=False (a critic-free estimator) takes no value_model and no value_adapter")
         self.policy = policy
         self.value_model = value_model
         self.value_adapter = value_adapter
+        self.with_value = with_value
         self.value_head = None
-        if value_model is None:
+        if value_model is None and with_value:
             self.value_head = new_value_head(unwrap_peft(policy).config.get_text_config().hidden_size, head_init_std,
                                              device=next(policy.parameters()).device)
         self._value_score_head = None if value_model is None else find_score_head(value_model)
@@ -99,8 +105,10 @@ class PolicyAndValue(nn.Module):
                 with adapter_scope(self.policy, self.value_adapter):
                     hidden = backbone_of(self.policy)(**inputs).last_hidden_state
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-        else:
+        elif self.value_model is not None:
             values = token_scores(self.value_model, self._value_score_head, inputs)
+        else:
+            values = None
         return PolicyValueOutput(logits=out.logits, token_values=values)
 
     def require_value_grads(self) -> None:
@@ -233,7 +241,7 @@ def save_policy_and_value(module: PolicyAndValue, output_dir: str, state_dict: d
     if module.value_adapter is not None:  # peft writes an adapter not named "default" to <dir>/<its name>: value/
         module.policy.save_pretrained(output_dir, state_dict=policy_state, is_main_process=is_main_process,
                                       selected_adapters=[module.value_adapter])
-    if not is_main_process:
+    if not is_main_process or not module.with_value:
         return
     os.makedirs(value_dir, exist_ok=True)
     if module.value_head is not None:
@@ -256,6 +264,8 @@ def load_policy_and_value(module: PolicyAndValue, directory: str) -> None:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} not found: {directory} is not a PPO checkpoint with a value head")
         module.value_head.load_state_dict(load_file(path, device=str(module.value_head.weight.device)))
+    elif not module.with_value:
+        return
     elif isinstance(module.value_model, ValueHeadModel):
         module.value_model.load_checkpoint(value_dir)
     else:

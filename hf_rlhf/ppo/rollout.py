@@ -1,4 +1,4 @@
-"""`RolloutMaker`: prompts in, `Experience` out (generate, score, reference, KL-shaped rewards, GAE).
+"""`RolloutMaker`: prompts in, `Experience` out (generate, score, reference, KL-shaped rewards, advantages).
 
 The steps follow Ziegler et al. 2019 / Stiennon et al. 2020 as `trl.PPOTrainer` implements them; the math is
 the pure functions of `hf_rlhf.ppo` and `hf_rlhf.tensors`, so this file only orders the calls and moves tensors.
@@ -16,8 +16,8 @@ from ..adapters import adapter_scope
 from ..collators import LeftPaddingCollator
 from ..reward_models import unwrap_peft
 from ..rewards.base import RewardError, check_scores
-from ..tensors import first_true_indices, logprobs_from_logits, masked_sum, masked_whiten
-from .advantages import gae, per_token_rewards
+from ..tensors import first_true_indices, logprobs_from_logits, masked_sum
+from .estimators import estimate_advantages
 from .experience import Experience
 from .kl import kl_penalty
 from .policy_value import response_logits
@@ -92,19 +92,12 @@ class RolloutMaker:
         old_logprobs, old_values, ref_logprobs = self._forward(model, query_ids, query_mask, response_ids,
                                                                response_mask)
 
-        # step 6. per-token KL, score shaping, rewards, GAE, whitening
+        # step 6. per-token KL, score shaping, then the estimator's rewards and advantages (GAE, GRPO, ...)
         kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
         scores = self._shape_scores(raw_scores, stopped, reward_moments)
-        rewards = per_token_rewards(scores, kl, response_mask, kl_coef)
-        # whitening statistics over every rank's tokens: W ranks whiten as one process with the global batch would
         reduce = self._all_reduce_sum if self.accelerator.num_processes > 1 else None
-        tokens = response_mask.sum() if reduce is None else reduce(response_mask.sum().float())
-        enough = tokens > 1  # whitening needs two tokens for a variance
-        if args.whiten_rewards and enough:
-            rewards = masked_whiten(rewards, response_mask, shift_mean=False, all_reduce_sum=reduce)
-        advantages, returns = gae(rewards, old_values, response_mask, args.gamma, args.lam)
-        if args.whiten_advantages and enough:
-            advantages = masked_whiten(advantages, response_mask, all_reduce_sum=reduce)
+        rewards, advantages, returns = estimate_advantages(args, scores, kl, response_mask, old_values, kl_coef,
+                                                           reduce)
         experience = Experience(query_ids, query_mask, response_ids, response_mask, old_logprobs, ref_logprobs,
                                 old_values, scores, rewards, advantages, returns)
         return experience, self._stats(experience, kl, raw_scores, stopped, kl_coef)
@@ -170,7 +163,7 @@ class RolloutMaker:
                     for t in (query_ids, query_mask, response_ids, response_mask)]
             logits, value, _ = response_logits(model, *part, temperature=args.temperature)
             logprobs.append(logprobs_from_logits(logits, part[2]))
-            values.append(value)
+            values.append(value if value is not None else torch.zeros_like(logprobs[-1]))  # critic-free: no values
             del logits
             ref_logits = self._reference_logits(model.policy, part)
             ref_logprobs.append(logprobs_from_logits(ref_logits, part[2]))

@@ -11,7 +11,8 @@ sequences), `objective/entropy`, `objective/non_score_reward`, `objective/rlhf_r
 `objective/raw_scores` (before normalisation and penalty), `objective/kl_coef` (the β of the rollout),
 `val/num_eos_tokens` (responses that stopped); per minibatch, token-weighted means: `loss/policy_avg`,
 `loss/value_avg`, `policy/entropy_avg`, `policy/approxkl_avg`, `policy/clipfrac_avg`, `val/clipfrac_avg`,
-`val/ratio` (and `loss/ptx_avg`). All are reduced over ranks.
+`val/ratio` (and `loss/ptx_avg`; `loss/kl_avg`, the per-token KL of the loss, with `kl_in_loss`; no value metrics for
+the critic-free estimators). All are reduced over ranks.
 
 Resume continues the run exactly: weights, optimizer, scheduler and RNG come back through the Trainer; the KL
 controller and running reward statistics through their stateful callbacks; the prompt order through the seeded
@@ -35,8 +36,10 @@ from ..models import load_model, resolve_model
 from ..ppo.callbacks import EpochFromStepCallback, KLControllerCallback, RewardStatsCallback, find_callback
 from ..ppo.config import PPOConfig
 from ..ppo.experience import Experience
+from ..ppo.critic_free import aggregate_loss
+from ..ppo.kl import kl_penalty
 from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator, validate_prompt_dataset
-from ..ppo.losses import policy_loss, value_loss
+from ..ppo.losses import policy_loss_per_token, value_loss
 from ..ppo.policy_value import PolicyAndValue, response_logits
 from ..ppo.rollout import RolloutMaker
 from ..ppo.value_adapter import add_value_adapter, resolve_value_adapter
@@ -63,7 +66,9 @@ def _reference_copy(policy):
 
 
 class PPOTrainer(BaseTrainer):
-    """PPO with a value function, a KL-penalised reward and an adaptive or fixed KL coefficient.
+    """PPO with a value function, a KL-penalised reward and an adaptive or fixed KL coefficient; or, with
+    `PPOConfig.advantage_estimator`, the same loop with a critic-free estimator (GRPO, RLOO, REINFORCE++) and no value
+    function built at all.
 
     Args:
         model: the policy: a hub id or local path (loaded with `model_config`, 4-bit too), a causal LM or a `PeftModel`.
@@ -173,6 +178,13 @@ class PPOTrainer(BaseTrainer):
             ref_model = load_model(ModelConfig(model_name_or_path=ref_model))
         elif ref_model is None and unwrap_peft(policy) is policy:  # a PeftModel's reference is its adapters off
             ref_model = _reference_copy(policy)  # kept outside the trained module: never checkpointed
+        if args.critic_free:  # GRPO / RLOO / REINFORCE++: nothing of a value function is built or stepped
+            if value_model is not None:
+                raise ValueError(f"advantage_estimator={args.advantage_estimator!r} uses no value function; "
+                                 f"value_model={value_model!r} was given (leave it None, or use 'gae')")
+            if args.disable_dropout:
+                disable_dropout(policy)
+            return PolicyAndValue(policy, with_value=False), ref_model
         value_adapter = resolve_value_adapter(value_model)
         if value_adapter is not None:
             value_model, value_adapter = None, add_value_adapter(policy, value_adapter, args.activation_checkpointing)
@@ -217,7 +229,8 @@ class PPOTrainer(BaseTrainer):
             process_index=self.accelerator.process_index, num_processes=self.accelerator.num_processes,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             get_global_step=lambda: self.state.global_step, get_resume_dir=lambda: self._resume_from,
-            device=self.accelerator.device, extra_batch=self._ptx_batch if self.ptx_dataset is not None else None)
+            device=self.accelerator.device, extra_batch=self._ptx_batch if self.ptx_dataset is not None else None,
+            num_generations=args.num_generations)
         return self._loader
 
     def compute_rewards(self, prompts: list, completions: list, **columns) -> torch.Tensor:
@@ -274,19 +287,28 @@ class PPOTrainer(BaseTrainer):
         logits, values, ptx_logits = response_logits(model, exp.query_ids, exp.query_mask, exp.response_ids, mask,
                                                      args.temperature, extra_rows=extra)
         logprobs = logprobs_from_logits(logits, exp.response_ids)
-        pg_loss, pg_stats = policy_loss(logprobs, exp.old_logprobs, exp.advantages, mask, args.cliprange, normalizer)
-        vf_loss, vf_stats = value_loss(values, exp.old_values, exp.returns, mask, args.cliprange_value, normalizer)
+        per_token_pg, pg_stats = policy_loss_per_token(logprobs, exp.old_logprobs, exp.advantages, mask,
+                                                       args.cliprange)
+        per_token_loss, sums = per_token_pg, {"loss/policy_avg": masked_sum(per_token_pg.detach(), mask)}
+        if args.kl_in_loss:  # GRPO: β·KL per token, β the rollout's (the controller's value when it was made)
+            kl = kl_penalty(logprobs, exp.ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
+            per_token_loss = per_token_pg + inputs["rollout_stats"]["objective/kl_coef"] * kl
+            sums["loss/kl_avg"] = masked_sum(kl.detach(), mask)
+        loss = self._aggregate(per_token_loss, mask, normalizer)
+        means = {"policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
+                 "val/ratio": pg_stats["ratio"]}
+        if not args.critic_free:
+            vf_loss, vf_stats = value_loss(values, exp.old_values, exp.returns, mask, args.cliprange_value, normalizer)
+            loss = loss + args.vf_coef * vf_loss
+            sums["loss/value_avg"], means["val/clipfrac_avg"] = vf_loss * normalizer, vf_stats["clipfrac"]
         with torch.set_grad_enabled(args.entropy_coef > 0 and torch.is_grad_enabled()):
             entropy = masked_sum(entropy_from_logits(logits), mask) / normalizer
-        loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * entropy
+        loss = loss - args.entropy_coef * entropy
+        sums["policy/entropy_avg"] = entropy * normalizer
 
         tokens = mask.sum().float()
-        per_token = {"loss/policy_avg": pg_loss * normalizer, "loss/value_avg": vf_loss * normalizer,
-                     "policy/entropy_avg": entropy * normalizer}
-        means = {"policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
-                 "val/clipfrac_avg": vf_stats["clipfrac"], "val/ratio": pg_stats["ratio"]}
         metrics = self.metrics["train"]
-        for name, value in per_token.items():  # sums over this micro-batch's tokens
+        for name, value in sums.items():  # sums over this micro-batch's tokens
             metrics.add(name, value, tokens)
         for name, value in means.items():  # means over this micro-batch's tokens
             metrics.add(name, value * tokens, tokens)
@@ -298,6 +320,14 @@ class PPOTrainer(BaseTrainer):
             loss = loss + args.ptx_coef * ptx_loss / self.current_gradient_accumulation_steps
             metrics.add("loss/ptx_avg", ptx_loss)
         return (loss, {"logits": logits, "values": values}) if return_outputs else loss
+
+    def _aggregate(self, per_token_loss, mask, normalizer):
+        """The policy loss reduced as `loss_type` says, scaled for gradient accumulation (as TRL's GRPO)."""
+        if self.args.loss_type == "dapo":  # the optimizer step's token count: micro-batches add up to its token mean
+            return aggregate_loss(per_token_loss, mask, "dapo", normalizer=normalizer)
+        # per micro-batch reductions, averaged over the step's micro-batches (bnpo thus depends on how they are cut)
+        loss = aggregate_loss(per_token_loss, mask, self.args.loss_type, self.args.response_length)
+        return loss / self.current_gradient_accumulation_steps
 
     # -- optimizer: the value function may get its own learning rate ---------------------------------
     def create_optimizer(self, model=None):

@@ -1,6 +1,7 @@
 """One tiny training run for the distributed tests, launched by `torchrun` / `accelerate launch` (or plain python).
 
-    python tests/distributed/worker.py --task {sft,sft_lora,reward,ppo} --out DIR [--steps 4] [--global_batch 8]
+    python tests/distributed/worker.py --task {sft,sft_lora,reward,ppo,grpo,rloo,reinforce_pp} --out DIR [--steps 4]
+        [--global_batch 8]
     python tests/distributed/worker.py --recipe ppo --out DIR <recipe options>   # records who writes what
 
 The same global batch in every launch: each of the W processes takes `global_batch / W` rows per step (the PPO
@@ -22,7 +23,14 @@ import sys
 
 import torch
 
-TASKS = ("sft", "sft_lora", "reward", "ppo")
+TASKS = ("sft", "sft_lora", "reward", "ppo", "grpo", "rloo", "reinforce_pp")
+# PPOTrainer's critic-free estimators, each with the options whose statistics cross ranks: GRPO's k3 in the loss with
+# the per-sequence loss_type, RLOO's batch-whitened advantages, REINFORCE++'s globally whitened returns
+ESTIMATORS = {
+    "grpo": dict(advantage_estimator="grpo", num_generations=2, kl_in_loss=True, kl_estimator="k3", loss_type="grpo"),
+    "rloo": dict(advantage_estimator="rloo", num_generations=2, normalize_advantages=True, loss_type="dr_grpo"),
+    "reinforce_pp": dict(advantage_estimator="reinforce_pp"),
+}
 
 
 def record_writes(root: str) -> list[str]:
@@ -60,6 +68,23 @@ def digit_reward(prompts, completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
+class SecondChoiceOnOddRows:
+    """A logits processor for greedy rollouts: rows 1, 3, 5, ... take their second most likely token at every step.
+
+    Greedy decoding gives a prompt's 2 samples the same completion, and a group baseline then cancels their
+    gradients exactly (what is left is rounding noise, which Adam turns into full-size steps). Each rank generates
+    whole groups in order, so a row's place in its group (row % 2) is the same in every launch.
+    """
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        odd = torch.arange(scores.shape[0], device=scores.device) % 2 == 1
+        best = scores.argmax(dim=-1, keepdim=True)
+        masked = scores.scatter(-1, best, float("-inf"))
+        return torch.where(odd.unsqueeze(-1), masked, scores)
+
+
 def common_args(out: str, steps: int, per_device: int) -> dict:
     return dict(output_dir=out, per_device_train_batch_size=per_device, max_steps=steps, logging_steps=1,
                 save_strategy="no", report_to="none", seed=0, disable_tqdm=True, warmup_steps=0, bf16=False,
@@ -93,10 +118,16 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
     # batch order inside a rollout (seeded per rank) changes only the order of a sum; adaptive KL with a short
     # horizon so that β moves at every rollout. From a path (`policy_path`) the policy loads after its config, i.e.
     # sharded by zero.Init under ZeRO-3, and the frozen reference is loaded again from that path
+    # The critic-free estimators (`task` in ESTIMATORS) run the same with their options and no value head.
     model = policy_path or build_toy_model(tokenizer, "tiny", seed=0)
+    options = ESTIMATORS.get(task, {})
     args = PPOConfig(**common, learning_rate=3e-3, gradient_accumulation_steps=2, rollout_batch_size=2 * per_device,
                      num_ppo_epochs=1, response_length=6, temperature=1.0, generation_kwargs={"do_sample": False},
-                     kl_coef=0.05, kl_target=0.01, kl_horizon=16, reward_normalization="running")
+                     kl_coef=0.05, kl_target=0.01, kl_horizon=16, reward_normalization="running", **options)
+    if options.get("num_generations", 1) > 1:
+        from transformers import LogitsProcessorList
+
+        args.generation_kwargs["logits_processor"] = LogitsProcessorList([SecondChoiceOnOddRows()])
     return PPOTrainer(model, digit_reward, args=args, train_dataset=prompt_dataset(64, seed=0),
                       processing_class=tokenizer,
                       callbacks=[PlotCallback(["objective/kl", "objective/kl_coef"], filename="ppo_curves.png"),

@@ -251,6 +251,35 @@ def test_one_base_checkpoints_save_the_trained_adapters_and_resume_exactly(tmp_p
     assert {h["step"]: h for h in resumed.state.log_history if "loss" in h}[4] == logs[4]
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_one_base_critic_free_trains_the_policy_adapter_alone_and_resumes_exactly(tmp_path, base_dir, reward_dir,
+                                                                                   tokenizer, prompts, estimator):
+    """A critic-free estimator on one base: policy adapter + reward adapter, no value adapter or head anywhere."""
+    args = dict(advantage_estimator=estimator, num_generations=1 if estimator == "reinforce_pp" else 2,
+                save_strategy="steps", save_steps=1)
+    trainer = ppo_trainer(base_dir, RewardAdapter(reward_dir), tmp_path, tokenizer, prompts, args=args)
+    policy = trainer.model.policy
+    assert set(policy.peft_config) == {"default", REWARD_ADAPTER} and trainer.model.value_head is None
+    trainable = trainable_names(trainer)
+    assert trainable and all(".default." in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed <= trainable and any(".lora_B.default." in n for n in changed)
+    logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert "loss/value_avg" not in logs[4]
+
+    checkpoint = tmp_path / "out" / "checkpoint-3"  # mid-rollout: 2 optimizer steps per rollout
+    assert os.path.isfile(checkpoint / "adapter_model.safetensors") and os.path.isfile(
+        checkpoint / "ppo_experience_rank0.pt")
+    assert not os.path.exists(checkpoint / "value") and not os.path.exists(checkpoint / REWARD_ADAPTER)
+    shutil.copytree(checkpoint, tmp_path / "resume" / "checkpoint-3")
+    resumed = PPOTrainer(base_dir, RewardAdapter(reward_dir), args=make_args(tmp_path / "resume", **args),
+                         train_dataset=prompts, processing_class=tokenizer, model_config=lora_model_config(base_dir))
+    resumed.train(resume_from_checkpoint=True)
+    assert {h["step"]: h for h in resumed.state.log_history if "loss" in h}[4] == logs[4]
+
+
 # ---------------------------------------------------------------------------------------------------
 # (c) the same on a 4-bit base
 

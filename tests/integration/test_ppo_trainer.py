@@ -109,9 +109,10 @@ class EventRecorder(TrainerCallback):
             setattr(self, event, lambda *args, _event=event, **kwargs: self.seen.append(_event))
 
 
-def test_every_callback_event_fires(tmp_path, tokenizer, prompts):
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "reinforce_pp"])
+def test_every_callback_event_fires(tmp_path, tokenizer, prompts, estimator):
     recorder = EventRecorder()
-    args = make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    args = make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, **ESTIMATORS[estimator])
     trainer = PPOTrainer(build_toy_model(tokenizer), reward_fn, args=args, train_dataset=prompts,
                          processing_class=tokenizer, callbacks=[recorder])
     trainer.train()
@@ -123,20 +124,35 @@ def test_every_callback_event_fires(tmp_path, tokenizer, prompts):
 # (3) resume = an uninterrupted run, with no rollout regenerated
 
 
-def _resume_trainer(output_dir, tokenizer, prompts, counter, **kw):
-    # 16 prompts / rollouts of 4 = 4 rollouts per epoch; a rollout = 2 mini-batches x 2 ppo epochs = 4 steps
+# the estimators' options for the runs below: G = 2 samples per prompt, each with its own KL placement and loss_type
+ESTIMATORS = {
+    "gae": {},
+    "grpo": dict(advantage_estimator="grpo", num_generations=2, kl_in_loss=True, kl_estimator="k3", loss_type="grpo"),
+    "rloo": dict(advantage_estimator="rloo", num_generations=2, normalize_advantages=True, loss_type="bnpo"),
+    "reinforce_pp": dict(advantage_estimator="reinforce_pp", loss_type="dr_grpo"),
+    "reinforce_pp_baseline": dict(advantage_estimator="reinforce_pp_baseline", num_generations=2),
+}
+
+
+def _resume_trainer(output_dir, tokenizer, prompts, counter, estimator="gae", **kw):
+    # 16 prompts (8 with 2 samples each) / rollouts of 4 rows = 4 rollouts per epoch; a rollout = 2 mini-batches x 2
+    # ppo epochs = 4 steps
+    options = ESTIMATORS[estimator]
+    if options.get("num_generations", 1) > 1:
+        prompts = prompts.select(range(len(prompts) // options["num_generations"]))
     args = PPOConfig(output_dir=str(output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=1,
                      num_mini_batches=2, num_ppo_epochs=2, response_length=6, max_steps=20, logging_steps=1,
                      save_strategy="steps", save_steps=2, report_to="none", learning_rate=3e-3, seed=0,
                      disable_tqdm=True, temperature=1.0, kl_target=0.5, kl_horizon=40,
-                     reward_normalization="running", **kw)
+                     reward_normalization="running", **options, **kw)
     policy = count_generate(build_toy_model(tokenizer), counter)
     return PPOTrainer(policy, digit_reward, args=args, train_dataset=prompts, processing_class=tokenizer)
 
 
-def test_resume_logs_exactly_what_an_uninterrupted_run_logs(tmp_path, tokenizer, prompts):
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_resume_logs_exactly_what_an_uninterrupted_run_logs(tmp_path, tokenizer, prompts, estimator):
     calls = []
-    full = _resume_trainer(tmp_path / "full", tokenizer, prompts, calls)
+    full = _resume_trainer(tmp_path / "full", tokenizer, prompts, calls, estimator)
     full.train()
     reference = step_logs(full)
     assert sorted(reference) == list(range(1, 21)) and len(calls) == 5  # 20 steps / 4 per rollout
@@ -150,7 +166,7 @@ def test_resume_logs_exactly_what_an_uninterrupted_run_logs(tmp_path, tokenizer,
         run_dir = tmp_path / f"resume-{step}"
         shutil.copytree(tmp_path / "full" / f"checkpoint-{step}", run_dir / f"checkpoint-{step}")
         calls.clear()
-        resumed = _resume_trainer(run_dir, tokenizer, prompts, calls,
+        resumed = _resume_trainer(run_dir, tokenizer, prompts, calls, estimator,
                                   restore_callback_states_from_checkpoint=restore_flag)
         resumed.train(resume_from_checkpoint=True)
         logs = step_logs(resumed, after=step)
@@ -167,7 +183,7 @@ def test_resume_logs_exactly_what_an_uninterrupted_run_logs(tmp_path, tokenizer,
     shutil.copytree(tmp_path / "full" / "checkpoint-6", broken / "checkpoint-6")
     os.remove(broken / "checkpoint-6" / "ppo_experience_rank0.pt")
     with pytest.raises(FileNotFoundError, match="ppo_experience_rank0.pt"):
-        _resume_trainer(broken, tokenizer, prompts, []).train(resume_from_checkpoint=True)
+        _resume_trainer(broken, tokenizer, prompts, [], estimator).train(resume_from_checkpoint=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -362,6 +378,7 @@ def test_configuration_errors(tmp_path, tokenizer, prompts):
     with pytest.raises(ValueError, match="reward_normalization='model_stats' needs reward_mean / reward_std"):
         PPOTrainer(build_toy_model(tokenizer), reward_fn, args=make_args(tmp_path, reward_normalization="model_stats"),
                    train_dataset=prompts, processing_class=tokenizer)
-    with pytest.raises(ValueError, match="one rollout takes rollout_batch_size x processes = 32 x 1 prompts"):
+    with pytest.raises(ValueError, match="one rollout takes rollout_batch_size / num_generations x processes = 32 x 1 "
+                                         "prompts"):
         PPOTrainer(build_toy_model(tokenizer), reward_fn, args=make_args(tmp_path, rollout_batch_size=32),
                    train_dataset=prompts, processing_class=tokenizer).train()

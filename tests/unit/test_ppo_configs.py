@@ -1,4 +1,5 @@
-"""Every recipes/configs/ppo_*.yaml loads into the PPO recipe's dataclasses, and the toy config is self-consistent."""
+"""Every PPO recipe YAML (recipes/configs/ppo_*.yaml and the estimators' grpo_ / rloo_ / reinforce_pp_*.yaml) loads
+into the PPO recipe's dataclasses, and the toy configs are self-consistent."""
 
 import glob
 import os
@@ -12,7 +13,9 @@ from hf_rlhf.toy.chain import ToyChainArguments
 from recipes import ppo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PPO_YAMLS = sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "ppo_*.yaml")))
+ESTIMATOR_TOYS = {"grpo": "grpo_toy.yaml", "rloo": "rloo_toy.yaml", "reinforce_pp": "reinforce_pp_toy.yaml"}
+PPO_YAMLS = sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "ppo_*.yaml"))
+                   + [os.path.join(ROOT, "recipes", "configs", name) for name in ESTIMATOR_TOYS.values()])
 
 
 def parse(path, *extra):
@@ -56,3 +59,34 @@ def test_command_line_wins_and_unknown_options_fail():
         parse(path, "--reward_sorce", "function")
     with pytest.raises(SystemExit):
         parse(path, "--reward_source", "http")  # not one of the choices
+
+
+def _toy(name):
+    return parse(os.path.join(ROOT, "recipes", "configs", name))
+
+
+@pytest.mark.parametrize("estimator", list(ESTIMATOR_TOYS))
+def test_estimator_toy_configs_spend_ppos_sample_budget(estimator):
+    _, _, ppo = _toy("ppo_toy.yaml")
+    script_args, model_config, args = _toy(ESTIMATOR_TOYS[estimator])
+    assert args.advantage_estimator == estimator and args.critic_free and ppo.advantage_estimator == "gae"
+    assert script_args.dataset_name is None and model_config.model_name_or_path is None  # the toy task
+    rollouts = args.max_steps // args.steps_per_rollout
+    assert rollouts * args.rollout_batch_size == ppo.max_steps // ppo.steps_per_rollout * ppo.rollout_batch_size
+    assert args.logging_steps == args.steps_per_rollout  # one log per rollout, as PPO's
+    # enough prompts for every rollout without a second pass (each sampled num_generations times)
+    assert script_args.toy_train_size >= rollouts * args.prompts_per_rollout
+    same = ("response_length", "temperature", "learning_rate", "kl_target", "per_device_train_batch_size",
+            "gradient_accumulation_steps", "num_ppo_epochs", "reward_normalization", "missing_eos_penalty")
+    assert {k: getattr(args, k) for k in same} == {k: getattr(ppo, k) for k in same}
+
+
+def test_the_recipe_takes_the_estimator_on_the_command_line():
+    path = os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml")
+    _, _, args = parse(path, "--advantage_estimator", "grpo", "--num_generations", "8", "--kl_in_loss", "true",
+                       "--loss_type", "dr_grpo", "--scale_rewards", "none")
+    assert (args.advantage_estimator, args.num_generations, args.kl_in_loss, args.loss_type, args.scale_rewards) == (
+        "grpo", 8, True, "dr_grpo", "none")
+    assert args.prompts_per_rollout == 64
+    with pytest.raises(SystemExit):
+        parse(path, "--advantage_estimator", "ppo2")  # not one of the choices

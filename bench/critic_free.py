@@ -1,0 +1,281 @@
+"""Critic-free RL episodes/s and peak RSS: hf_rlhf's GRPO / RLOO (`PPOTrainer` with `advantage_estimator`) against
+`trl.GRPOTrainer` / `trl.RLOOTrainer` (the installed TRL, 1.16).
+
+One process per run (no DDP), each configuration in its own subprocess, rounds interleaved (A B C D A B C D ...) so
+that drifts in the load of this shared machine hit every configuration alike. Every run loads the same saved toy
+Llama policy and tokenizer, takes the same prompts in the same order and does the same work: G completions per
+prompt, the same completions per optimizer step (micro-batch x gradient accumulation, one generation per step),
+one pass over each generation (TRL's `num_iterations=1`, hf_rlhf's `num_ppo_epochs=1`), response length and stop
+token (eos), temperature, AdamW and learning rate, fp32, one torch thread, one log per step, the same Python reward
+function. The KL is what each TRL trainer does by default, with its default β:
+  grpo: β = 0.04 in the loss, k3 per token, token mean over the step (TRL's `beta=0.04`, `loss_type="dapo"`;
+        hf_rlhf `kl_in_loss=True, kl_estimator="k3", kl_coef=0.04`); group-normalised advantages.
+  rloo: β = 0.05 as a reward penalty, β·Σ k1 subtracted from the score (TRL's `beta=0.05`; hf_rlhf `kl_coef=0.05`).
+Episodes (completions generated) and optimizer steps are counted in every run and checked equal across a pair.
+
+episodes/s = completions generated / wall time of `trainer.train()` (episodes/CPU-s: / its CPU time, one thread,
+steadier than wall time on a loaded machine). Peak RSS = the worker's high-water mark at the
+end (VmHWM). Each run also times where `train()` went (bench/ppo.py's `PhaseTimer`: generation, forwards by model,
+backward, optimizer, gc) and counts the bytes of weights, trainable parameters and optimizer state.
+
+The value group (`--configs value`) measures what the critic-free estimators save: hf_rlhf REINFORCE++ (no value
+function) against PPO/GAE with a value head on the policy backbone and with a separate value model, on the same
+prompts, one completion per prompt, the same KL (β = 0.05, k1, in the reward) and the same steps.
+
+    python bench/critic_free.py                          # ~10 min on 2 busy CPU cores
+    python bench/critic_free.py --configs value          # what PPO's value head / value model costs
+    python bench/critic_free.py --quick --repeats 1      # smoke run: 4 workers, ~2 min on 2 busy cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
+import ppo as ppo_bench  # bench/ppo.py: PhaseTimer, peak_rss_mb, backbone, memory_report
+
+# config -> (library, advantage estimator, value function)
+CONFIGS = {
+    "hf_rlhf_grpo": ("hf_rlhf", "grpo", None), "trl_grpo": ("trl", "grpo", None),
+    "hf_rlhf_rloo": ("hf_rlhf", "rloo", None), "trl_rloo": ("trl", "rloo", None),
+    # the value group: what the value function costs, on PPO's one sample per prompt (--configs value)
+    "hf_rlhf_reinforce_pp": ("hf_rlhf", "reinforce_pp", None),
+    "hf_rlhf_ppo_value_head": ("hf_rlhf", "gae", "head"),
+    "hf_rlhf_ppo_value_model": ("hf_rlhf", "gae", "model"),
+}
+DEFAULT_CONFIGS = ("hf_rlhf_grpo", "trl_grpo", "hf_rlhf_rloo", "trl_rloo")
+VALUE_CONFIGS = ("hf_rlhf_reinforce_pp", "hf_rlhf_ppo_value_head", "hf_rlhf_ppo_value_model")
+REFERENCE = {"hf_rlhf_grpo": "trl_grpo", "hf_rlhf_rloo": "trl_rloo", "hf_rlhf_ppo_value_head": "hf_rlhf_reinforce_pp",
+             "hf_rlhf_ppo_value_model": "hf_rlhf_reinforce_pp"}
+PRESETS = {
+    # completions per optimizer step = micro x grad_accum = prompts_per_step x num_generations
+    "full": dict(model_size="small", micro=16, grad_accum=2, num_generations=8, response_length=16, steps=12),
+    "quick": dict(model_size="tiny", micro=4, grad_accum=2, num_generations=4, response_length=8, steps=2),
+}
+COMMON = dict(temperature=0.7, learning_rate=1e-5)
+KL = {"grpo": 0.04, "rloo": 0.05, "reinforce_pp": 0.05, "gae": 0.05}  # TRL's default betas (GRPO, RLOO)
+
+
+def digit_reward(prompts, completions, **kwargs):
+    """A verifiable-style reward that varies with a random policy's text: the share of digits in the completion."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+# ----------------------------------------------------------------------------------------------- worker side
+def trainer_options(settings: dict, output_dir: str) -> dict:
+    return dict(output_dir=output_dir, per_device_train_batch_size=settings["micro"],
+                gradient_accumulation_steps=settings["grad_accum"], max_steps=settings["steps"], logging_steps=1,
+                save_strategy="no", report_to="none", disable_tqdm=True, seed=0, use_cpu=True, bf16=False,
+                dataloader_num_workers=0, lr_scheduler_type="constant", warmup_steps=0, **COMMON)
+
+
+def build_trl(estimator: str, model_dir: str, prompts, settings: dict, output_dir: str):
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    config, trainer_class = (GRPOConfig, GRPOTrainer) if estimator == "grpo" else (RLOOConfig, RLOOTrainer)
+    args = config(**trainer_options(settings, output_dir), num_generations=settings["num_generations"],
+                  max_completion_length=settings["response_length"], beta=KL[estimator], num_iterations=1)
+    trainer = trainer_class(model=model_dir, reward_funcs=digit_reward, args=args, train_dataset=prompts)
+    return trainer, {"policy": trainer.model, "reference": trainer.ref_model}
+
+
+def build_hf_rlhf(estimator: str, model_dir: str, prompts, settings: dict, output_dir: str, value: str | None = None):
+    from hf_rlhf import PPOConfig, PPOTrainer
+
+    kl = dict(kl_in_loss=True, kl_estimator="k3") if estimator == "grpo" else dict(kl_estimator="k1")
+    args = PPOConfig(**trainer_options(settings, output_dir), advantage_estimator=estimator,
+                     num_generations=num_generations(estimator, settings), num_ppo_epochs=1,
+                     rollout_batch_size=settings["micro"] * settings["grad_accum"],
+                     response_length=settings["response_length"], kl_coef=KL[estimator], **kl)
+    # the value model: a one-label classifier on the policy's weights (TRL's PPO examples start it from the RM)
+    trainer = PPOTrainer(model_dir, digit_reward, args=args, train_dataset=prompts,
+                         value_model=model_dir if value == "model" else None)
+    module = trainer.model
+    return trainer, {"policy": module.policy, "reference": trainer.ref_model,
+                     "value": module.value_model if value == "model" else module.value_head}
+
+
+def num_generations(estimator: str, settings: dict) -> int:
+    return settings["num_generations"] if estimator in ("grpo", "rloo") else 1
+
+
+def worker(name: str, settings: dict, threads: int, model_dir: str) -> dict:
+    import psutil
+    import torch
+    from datasets import Dataset
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    library, estimator, value = CONFIGS[name]
+    if library == "trl":
+        import trl  # noqa: F401
+    else:
+        import hf_rlhf.trainers.ppo  # noqa: F401
+    torch.set_num_threads(threads)
+    rss_import = ppo_bench.peak_rss_mb()
+    group = num_generations(estimator, settings)
+    prompts = Dataset.from_list(json.loads(Path(model_dir, f"prompts_g{group}.json").read_text()))
+    timer, steps = ppo_bench.PhaseTimer(), []
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON
+        if library == "trl":
+            trainer, models = build_trl(estimator, model_dir, prompts, settings, tmp)
+        else:
+            trainer, models = build_hf_rlhf(estimator, model_dir, prompts, settings, tmp, value)
+        timed = {role: model for role, model in models.items() if model is not None}
+        if value != "model":
+            timed.pop("value", None)  # a value head is no backbone: its cost is inside the policy's forward
+        timer.install({role: ppo_bench.backbone(model) for role, model in timed.items()})
+        register_optimizer_step_post_hook(lambda *a: steps.append(1))
+        timeline = MemoryTimeline()
+        trainer.add_callback(timeline)
+        rss_before_train = psutil.Process().memory_info().rss / ppo_bench.MB
+        timeline.record("before_train")
+        cpu_start, start = time.process_time(), time.perf_counter()
+        trainer.train()
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    peak = ppo_bench.peak_rss_mb()
+    return {
+        "config": name, "seconds": seconds, "episodes": timer.rows, "episodes_per_s": timer.rows / seconds,
+        "cpu_seconds": cpu_seconds, "episodes_per_cpu_s": timer.rows / cpu_seconds,
+        "optimizer_steps": len(steps), "peak_rss_mb": peak, "rss_after_import_mb": rss_import,
+        "rss_before_train_mb": rss_before_train, "peak_increase_mb": peak - rss_import,
+        "memory": ppo_bench.memory_report({k: v for k, v in models.items() if v is not None}, trainer.optimizer),
+        "phases": timer.report(seconds), "threads": torch.get_num_threads(), "load_before": os.getloadavg()[0],
+        "memory_timeline": timeline.points,
+    }
+
+
+class MemoryTimeline:
+    """Peak and current RSS (MB) and the count of imported modules before training and after each optimizer step:
+    whether the peak comes from one-time costs of the first step (lazy imports, allocator growth) or grows later."""
+
+    def __init__(self):
+        self.points = []
+
+    def record(self, when) -> None:
+        import psutil
+
+        self.points.append({"when": when, "peak_mb": round(ppo_bench.peak_rss_mb(), 1),
+                            "rss_mb": round(psutil.Process().memory_info().rss / ppo_bench.MB, 1),
+                            "modules": len(sys.modules)})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.record(state.global_step)
+
+    def __getattr__(self, name):  # the other TrainerCallback events: nothing to do
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+# ----------------------------------------------------------------------------------------------- parent side
+def prepare(settings: dict, root: str) -> str:
+    """The toy tokenizer and a seeded toy Llama policy saved to `root`, and the prompts (one step = P prompts)."""
+    from hf_rlhf.toy import build_toy_model, build_toy_tokenizer, prompt_dataset
+
+    tokenizer = build_toy_tokenizer()
+    model = build_toy_model(tokenizer, settings["model_size"], seed=0)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    for group in {1, settings["num_generations"]}:  # the prompts of one step = its completions / G
+        rows = prompt_dataset(settings["micro"] * settings["grad_accum"] // group * settings["steps"], seed=0)
+        Path(root, f"prompts_g{group}.json").write_text(json.dumps([{"prompt": p} for p in rows["prompt"]]))
+    return root
+
+
+def check_same_work(runs: list[dict]) -> None:
+    for name, reference in REFERENCE.items():
+        for a, b in zip((r for r in runs if r["config"] == name), (r for r in runs if r["config"] == reference)):
+            if (a["episodes"], a["optimizer_steps"]) != (b["episodes"], b["optimizer_steps"]):
+                raise RuntimeError(f"{name} and {reference} did different work: {a['episodes']} / {b['episodes']} "
+                                   f"episodes, {a['optimizer_steps']} / {b['optimizer_steps']} optimizer steps")
+
+
+def summarize(runs: list[dict], configs: list[str], repeats: int) -> dict:
+    summary = {}
+    by = {(i // len(configs), run["config"]): run for i, run in enumerate(runs)}
+    for name in configs:
+        entry = {}
+        for metric in ("episodes_per_s", "episodes_per_cpu_s", "peak_rss_mb", "peak_increase_mb"):
+            entry[f"median_{metric}"] = statistics.median(by[r, name][metric] for r in range(repeats))
+            reference = REFERENCE.get(name)
+            if reference in configs:  # paired ratios: the runs of one round ran side by side in time
+                ratios = [by[r, name][metric] / by[r, reference][metric] for r in range(repeats)]
+                entry[f"ratios_{metric}"], entry[f"median_ratio_{metric}"] = ratios, statistics.median(ratios)
+        summary[name] = entry
+    return summary
+
+
+def markdown_table(summary: dict) -> str:
+    lines = ["| config | median episodes/s | median peak RSS MB | episodes/s vs TRL | episodes/CPU-s vs TRL "
+             "| peak RSS vs TRL |", "|---|---:|---:|---:|---:|---:|"]
+    for name, e in summary.items():
+        ratio = lambda m: f"{e[f'median_ratio_{m}']:.2f}×" if f"median_ratio_{m}" in e else "–"  # noqa: E731
+        lines.append(f"| {name} | {e['median_episodes_per_s']:.2f} | {e['median_peak_rss_mb']:,.0f} "
+                     f"| {ratio('episodes_per_s')} | {ratio('episodes_per_cpu_s')} | {ratio('peak_rss_mb')} |")
+    return "\n".join(lines)
+
+
+def phase_table(runs: list[dict], configs: list[str]) -> str:
+    """Median seconds per phase of `train()`, per configuration."""
+    phases = sorted({p for run in runs for p in run["phases"]["seconds"]})
+    lines = ["| config | " + " | ".join(phases) + " | total |", "|---|" + "---:|" * (len(phases) + 1)]
+    for name in configs:
+        mine = [run for run in runs if run["config"] == name]
+        cell = lambda p: statistics.median(run["phases"]["seconds"].get(p, 0.0) for run in mine)  # noqa: E731
+        lines.append(f"| {name} | " + " | ".join(f"{cell(p):.2f}" for p in phases)
+                     + f" | {statistics.median(run['seconds'] for run in mine):.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny preset (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated, of {', '.join(CONFIGS)}; 'value' = the value group")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--output", default="bench/results/critic_free.json")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    parser.add_argument("--model_dir", help=argparse.SUPPRESS)
+    cli = parser.parse_args(argv)
+    if cli.worker:
+        print(json.dumps(worker(cli.worker, json.loads(cli.settings), cli.threads, cli.model_dir)))
+        return {}
+    configs = list(VALUE_CONFIGS) if cli.configs == "value" else cli.configs.split(",")
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    settings = PRESETS["quick" if cli.quick else "full"]
+    runs = []
+    with tempfile.TemporaryDirectory() as root:
+        model_dir = prepare(settings, root)
+        for r in range(cli.repeats):
+            for name in configs:  # interleaved: A B C D, A B C D, ...
+                run = harness.run_worker(__file__, ["--worker", name, "--settings", json.dumps(settings),
+                                                    "--threads", str(cli.threads), "--model_dir", model_dir])
+                runs.append(run)
+                print(f"round {r + 1}/{cli.repeats} {name}: {run['episodes_per_s']:.2f} episodes/s, "
+                      f"peak RSS {run['peak_rss_mb']:.0f} MB", flush=True)
+    check_same_work(runs)
+    summary = summarize(runs, configs, cli.repeats)
+    report = {"settings": settings, "repeats": cli.repeats, "summary": summary, "runs": runs}
+    harness.write_report(cli.output, report, harness.versions(("torch", "transformers", "trl", "accelerate")))
+    print(markdown_table(summary))
+    print()
+    print(phase_table(runs, configs))
+    print(f"\nReproduce: `python bench/critic_free.py{' --quick' if cli.quick else ''} --repeats {cli.repeats}`")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""bench/critic_free.py runs end to end in its quick mode and writes its JSON (no timing is asserted).
+
+One pair (hf_rlhf GRPO and the installed `trl.GRPOTrainer`): each worker imports torch/transformers/trl, ~30 s on a
+busy 2-core box.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "critic_free.py"
+CONFIGS = ["hf_rlhf_grpo", "trl_grpo"]
+
+
+def test_critic_free_bench_quick(tmp_path):
+    output = tmp_path / "critic_free.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--repeats", "1", "--configs", ",".join(CONFIGS),
+         "--output", str(output)],
+        capture_output=True, text=True, timeout=600, cwd=BENCH.parents[1],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(output.read_text())
+
+    assert list(results["summary"]) == CONFIGS
+    settings = results["settings"]
+    runs = {run["config"]: run for run in results["runs"]}
+    for name, run in runs.items():
+        # the same work: every completion generated, one optimizer step per generation
+        assert run["episodes"] == settings["steps"] * settings["micro"] * settings["grad_accum"], name
+        assert run["optimizer_steps"] == settings["steps"], name
+        assert run["episodes_per_s"] > 0 and run["peak_rss_mb"] >= run["rss_after_import_mb"] > 0, name
+        assert run["phases"]["seconds"]["generate"] > 0, name
+        assert run["memory"]["weights/reference"] > 0, name  # both hold a reference (β > 0)
+    ratio = results["summary"]["hf_rlhf_grpo"]["median_ratio_episodes_per_s"]
+    assert ratio == pytest.approx(runs["hf_rlhf_grpo"]["episodes_per_s"] / runs["trl_grpo"]["episodes_per_s"])
+    assert "| config | median episodes/s | median peak RSS MB |" in done.stdout
+    assert "Reproduce: `python bench/critic_free.py --quick" in done.stdout
