@@ -239,7 +239,7 @@ def apply_lora(model: PreTrainedModel, peft_config, gradient_checkpointing: bool
     return get_peft_model(model, peft_config)
 
 
-def load_weights(model: nn.Module, directory: str, adapter_name: str | None = None) -> None:
+def load_weights(model: torch.nn.Module, directory: str, adapter_name: str | None = None) -> None:
     """Load a `save_pretrained` directory (full model, sharded, or LoRA adapter) into an existing model.
 
     Args:

@@ -20,7 +20,6 @@ watched then; under DeepSpeed the engine owns the step, so "skip" is not support
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 

@@ -28,22 +28,19 @@ from numbers import Real
 
 from ..configs import DataOptions, PreferenceDataOptions
 from .tokenization import (
-    apply_length_policy,
     check_chat_template,
     check_overlong_policy,
-    check_unknown_tokens,
     eos_token_id,
     resolve_chat_template,
     special_prefix,
     tokenize_prompt_completion,
 )
-from .streaming import first_rows, is_streamed, stream_columns, stream_length_policy
+from .streaming import first_rows, is_streamed, tokenize_rows
 from .validation import (
     ABSENT,
     MISSING,
     DataValidationError,
     Verbatim,
-    as_dataset,
     check_messages,
     check_not_empty,
     check_text,
@@ -289,17 +286,7 @@ def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_
     # step 3. tokenize (and truncate), then apply the overlong policy
     spec = _PairTokenizeSpec(fmt, tokenizer, prefix, eos_id, opts.max_length, opts.overlong_policy == "truncate",
                              use_margin, _field_checks(fmt, use_margin) if streamed else None)
-    if streamed:  # IterableDataset.map takes no num_proc / desc
-        tokenized = dataset.map(_tokenize_pair, with_indices=True, fn_kwargs={"spec": spec},
-                                remove_columns=stream_columns(dataset, head[0]))
-        tokenized = stream_length_policy(tokenized, opts.max_length, opts.overlong_policy, LENGTH_FIELD)
-        return (tokenized, None) if return_stats else tokenized
-    data = as_dataset(dataset)
-    tokenized = data.map(
-        _tokenize_pair, with_indices=True, fn_kwargs={"spec": spec}, remove_columns=data.column_names,
-        num_proc=opts.dataset_num_proc, desc="Tokenizing preference pairs")
-    if fmt != "tokenized":
-        check_unknown_tokens(tokenized, ("chosen_ids", "rejected_ids"), tokenizer, opts.max_unk_share, opts.strict,
-                             LENGTH_FIELD)
-    tokenized, stats = apply_length_policy(tokenized, opts.max_length, opts.overlong_policy, LENGTH_FIELD)
+    tokenized, stats = tokenize_rows(dataset, _tokenize_pair, spec, opts, LENGTH_FIELD,
+                                     "Tokenizing preference pairs", head[0] if streamed else None,
+                                     tokenizer if fmt != "tokenized" else None, ("chosen_ids", "rejected_ids"))
     return (tokenized, stats) if return_stats else tokenized

@@ -18,17 +18,15 @@ from functools import partial
 
 from ..configs import DataOptions, SFTDataOptions
 from .tokenization import (
-    apply_length_policy,
     check_chat_template,
     check_overlong_policy,
-    check_unknown_tokens,
     eos_token_id,
     resolve_chat_template,
     special_prefix,
     tokenize_prompt_completion,
     with_eos,
 )
-from .streaming import first_rows, is_streamed, stream_columns, stream_length_policy
+from .streaming import first_rows, is_streamed, tokenize_rows
 from .validation import (
     ABSENT,
     DataValidationError,
@@ -265,15 +263,6 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
                             checks if streamed else None)
     field = {"text": opts.dataset_text_field, "prompt_completion": "prompt+completion",
              "conversational": "messages", "conversational_prompt_completion": "prompt+completion"}[fmt]
-    if streamed:  # IterableDataset.map takes no num_proc / desc
-        tokenized = dataset.map(_tokenize_sft_row, with_indices=True, fn_kwargs={"spec": spec},
-                                remove_columns=stream_columns(dataset, head[0]))
-        tokenized = stream_length_policy(tokenized, opts.max_length, opts.overlong_policy, field)
-        return (tokenized, None) if return_stats else tokenized
-    data = as_dataset(dataset)
-    tokenized = data.map(
-        _tokenize_sft_row, with_indices=True, fn_kwargs={"spec": spec}, remove_columns=data.column_names,
-        num_proc=opts.dataset_num_proc, desc="Tokenizing SFT dataset")
-    check_unknown_tokens(tokenized, ("input_ids",), tokenizer, opts.max_unk_share, opts.strict, field)
-    tokenized, stats = apply_length_policy(tokenized, opts.max_length, opts.overlong_policy, field)
+    tokenized, stats = tokenize_rows(dataset, _tokenize_sft_row, spec, opts, field, "Tokenizing SFT dataset",
+                                     head[0] if streamed else None, tokenizer, ("input_ids",))
     return (tokenized, stats) if return_stats else tokenized

@@ -13,7 +13,8 @@ import itertools
 
 from datasets import IterableDataset
 
-from .tokenization import LENGTH_COLUMNS
+from .tokenization import LENGTH_COLUMNS, apply_length_policy, check_unknown_tokens
+from .validation import as_dataset
 from .validation import DataValidationError, Verbatim
 
 
@@ -77,3 +78,32 @@ def check_streamed_training(args, train_dataset) -> None:
         raise ValueError(f"train_dataset is a streamed IterableDataset, which has no length: set max_steps > 0 "
                          f"(got max_steps={args.max_steps}); num_train_epochs cannot be counted on a stream")
     args.accelerator_config.dispatch_batches = False
+
+
+def tokenize_rows(dataset, row_fn, spec, options, field: str, desc: str, first_row: dict | None = None,
+                  tokenizer=None, id_columns: tuple[str, ...] = ()):
+    """Map `row_fn(row, index, spec)` over `dataset`, then count unknown tokens and apply the over-long policy.
+
+    The one tokenization tail of SFT and preference data, in memory or streamed.
+
+    Args:
+        dataset: a `Dataset` / list of rows, or an `IterableDataset` (mapped lazily; `first_row` is its look-ahead).
+        row_fn, spec: the format's row tokenizer and its spec.
+        options: `max_length`, `overlong_policy`, `dataset_num_proc`, `max_unk_share`, `strict`.
+        field: the field named in errors and logs.
+        desc: the progress bar's text (in memory).
+        tokenizer, id_columns: where to count unknown tokens (in memory; none without a tokenizer).
+
+    Returns:
+        (tokenized, stats): stats is None for a stream.
+    """
+    if first_row is not None:  # IterableDataset.map takes no num_proc / desc
+        tokenized = dataset.map(row_fn, with_indices=True, fn_kwargs={"spec": spec},
+                                remove_columns=stream_columns(dataset, first_row))
+        return stream_length_policy(tokenized, options.max_length, options.overlong_policy, field), None
+    data = as_dataset(dataset)
+    tokenized = data.map(row_fn, with_indices=True, fn_kwargs={"spec": spec}, remove_columns=data.column_names,
+                         num_proc=options.dataset_num_proc, desc=desc)
+    if tokenizer is not None:
+        check_unknown_tokens(tokenized, id_columns, tokenizer, options.max_unk_share, options.strict, field)
+    return apply_length_policy(tokenized, options.max_length, options.overlong_policy, field)

@@ -23,7 +23,6 @@ file written into it.
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 import torch.nn.functional as F

@@ -17,14 +17,12 @@ Known differences, by design (values only; the names agree):
   The scripts set both, so they compare the same arithmetic.
 """
 
-import os
 import random
 
 import numpy as np
 import pytest
-import torch
 from datasets import Dataset, load_dataset
-from transformers import TrainerCallback, set_seed
+from transformers import set_seed
 
 pytestmark = pytest.mark.integration
 

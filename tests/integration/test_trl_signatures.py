@@ -19,7 +19,7 @@ from peft import (
 )
 from transformers import TrainingArguments
 
-from hf_rlhf import ModelConfig, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from hf_rlhf import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from hf_rlhf.ppo.config import PPOConfig
 from hf_rlhf.trainers.ppo import PPOTrainer
 from hf_rlhf.toy import build_toy_model, build_toy_reward_model, preference_dataset, prompt_dataset, sft_dataset

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from torch.testing import assert_close
 
 from hf_rlhf import SFTConfig, SFTTrainer
 from hf_rlhf.packing_check import PackingCheckError

@@ -3,7 +3,6 @@ each row run alone and unpadded (the layout PPO trains on is the layout it sampl
 
 import pytest
 import torch
-from datasets import Dataset
 from torch.testing import assert_close
 
 from hf_rlhf.collators import LeftPaddingCollator
