@@ -67,15 +67,15 @@ def _toy(name):
 
 @pytest.mark.parametrize("estimator", list(ESTIMATOR_TOYS))
 def test_estimator_toy_configs_spend_ppos_sample_budget(estimator):
-    _, _, ppo = _toy("ppo_toy.yaml")
-    script_args, model_config, args = _toy(ESTIMATOR_TOYS[estimator])
+    *_, ppo = _toy("ppo_toy.yaml")
+    script_args, toy_args, model_config, args = _toy(ESTIMATOR_TOYS[estimator])
     assert args.advantage_estimator == estimator and args.critic_free and ppo.advantage_estimator == "gae"
     assert script_args.dataset_name is None and model_config.model_name_or_path is None  # the toy task
     rollouts = args.max_steps // args.steps_per_rollout
     assert rollouts * args.rollout_batch_size == ppo.max_steps // ppo.steps_per_rollout * ppo.rollout_batch_size
     assert args.logging_steps == args.steps_per_rollout  # one log per rollout, as PPO's
     # enough prompts for every rollout without a second pass (each sampled num_generations times)
-    assert script_args.toy_train_size >= rollouts * args.prompts_per_rollout
+    assert toy_args.toy_train_size >= rollouts * args.prompts_per_rollout
     same = ("response_length", "temperature", "learning_rate", "kl_target", "per_device_train_batch_size",
             "gradient_accumulation_steps", "num_ppo_epochs", "reward_normalization", "missing_eos_penalty")
     assert {k: getattr(args, k) for k in same} == {k: getattr(ppo, k) for k in same}
@@ -83,7 +83,7 @@ def test_estimator_toy_configs_spend_ppos_sample_budget(estimator):
 
 def test_the_recipe_takes_the_estimator_on_the_command_line():
     path = os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml")
-    _, _, args = parse(path, "--advantage_estimator", "grpo", "--num_generations", "8", "--kl_in_loss", "true",
+    *_, args = parse(path, "--advantage_estimator", "grpo", "--num_generations", "8", "--kl_in_loss", "true",
                        "--loss_type", "dr_grpo", "--scale_rewards", "none")
     assert (args.advantage_estimator, args.num_generations, args.kl_in_loss, args.loss_type, args.scale_rewards) == (
         "grpo", 8, True, "dr_grpo", "none")
