@@ -17,6 +17,7 @@ just before each is tokenized, with the same checks and errors.
 from .preference import (
     PREFERENCE_FORMATS,
     check_margin,
+    check_preference_rows,
     check_shared_prompt,
     check_token_ids,
     detect_preference_format,
@@ -27,6 +28,7 @@ from .raw_files import DataFileError, check_raw_file, read_json_rows
 from .sft import (
     CONVERSATIONAL_FORMATS,
     apply_formatting_func,
+    check_sft_rows,
     detect_format,
     prepare_sft_dataset,
     validate_sft_dataset,
@@ -73,6 +75,8 @@ __all__ = [
     "DataValidationError",
     "Verbatim",
     "apply_formatting_func",
+    "check_preference_rows",
+    "check_sft_rows",
     "apply_length_policy",
     "as_dataset",
     "check_chat_template",

@@ -244,7 +244,23 @@ def _resolve_use_margin(use_margin: bool | None, columns: list[str]) -> bool:
     return bool(use_margin)
 
 
-def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_stats: bool = False):
+def check_preference_rows(dataset, options: DataOptions) -> str:
+    """Detect the format of in-memory preference pairs and check every row (no tokenizer needed); its format.
+
+    What `prepare_preference_dataset` does first; a trainer calls it before it loads any model, then prepares with
+    `rows_checked=True`.
+
+    Raises:
+        DataValidationError: naming the row, the field and what was expected.
+    """
+    opts = PreferenceDataOptions.from_options(options)
+    fmt = detect_preference_format(dataset)
+    validate_preference_dataset(dataset, fmt, _resolve_use_margin(opts.use_margin, column_names(dataset)))
+    return fmt
+
+
+def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_stats: bool = False,
+                               rows_checked: bool = False):
     """Detect, validate and tokenize preference pairs (a `Dataset`, a list of dicts or a streamed `IterableDataset`;
     left unchanged).
 
@@ -257,6 +273,7 @@ def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_
         options: a `RewardConfig`, a `PreferenceDataOptions`, or a plain `DataOptions` (its `overlong_policy` is
             used as given; the margin column is used when there is one).
         return_stats: also return {"n_rows", "n_truncated", "n_dropped"}.
+        rows_checked: the rows already passed `check_preference_rows` with these options (not checked again).
 
     Returns:
         A `Dataset` with `chosen_ids`, `rejected_ids` (lists of ints) and, with a margin, `margin` (float);
@@ -271,7 +288,7 @@ def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_
     head = first_rows(dataset) if streamed else dataset
     fmt = detect_preference_format(head)
     use_margin = _resolve_use_margin(opts.use_margin, column_names(head))
-    if not streamed:
+    if not streamed and not rows_checked:
         validate_preference_dataset(dataset, fmt, use_margin)
 
     # step 2. tokenizer: chat template, or eos and leading special tokens for plain text

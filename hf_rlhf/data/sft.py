@@ -213,7 +213,25 @@ def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
     return out
 
 
-def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: bool = False):
+def check_sft_rows(dataset, options: DataOptions) -> str:
+    """Detect the format of an in-memory SFT dataset and check every row (no tokenizer needed); its format.
+
+    What `prepare_sft_dataset` does first; a trainer calls it before it loads any model, then prepares with
+    `rows_checked=True`.
+
+    Raises:
+        DataValidationError: naming the row, the field and what was expected.
+    """
+    opts = SFTDataOptions.from_options(options)
+    fmt = detect_format(dataset, opts.dataset_text_field)
+    if opts.assistant_only_loss and fmt not in CONVERSATIONAL_FORMATS:
+        raise ValueError(f"assistant_only_loss=True needs conversational data; the dataset format is {fmt!r}")
+    validate_rows(dataset, sft_row_checks(fmt, opts.dataset_text_field, require_assistant=opts.assistant_only_loss))
+    return fmt
+
+
+def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: bool = False,
+                        rows_checked: bool = False):
     """Detect, validate and tokenize an SFT dataset (a `Dataset`, a list of dicts or a streamed `IterableDataset`;
     left unchanged).
 
@@ -226,6 +244,7 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
         options: an `SFTConfig`, an `SFTDataOptions`, or a plain `DataOptions` (text column "text", completion-only
             loss on prompt/completion data, no assistant-only loss).
         return_stats: also return {"n_rows", "n_truncated", "n_dropped"}.
+        rows_checked: the rows already passed `check_sft_rows` with these options (not checked again).
 
     Returns:
         A `Dataset` with `input_ids` and, per format, `completion_mask` / `assistant_masks`
@@ -242,7 +261,7 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
     if opts.assistant_only_loss and fmt not in CONVERSATIONAL_FORMATS:
         raise ValueError(f"assistant_only_loss=True needs conversational data; the dataset format is {fmt!r}")
     checks = sft_row_checks(fmt, opts.dataset_text_field, require_assistant=opts.assistant_only_loss)
-    if not streamed:
+    if not streamed and not rows_checked:
         validate_rows(dataset, checks)
 
     # step 2. tokenizer: chat template, eos, default leading special tokens

@@ -28,6 +28,8 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from ..checkpoints import AtomicCheckpointMixin
 from ..config_checks import check_renamed
+from ..data import column_names
+from ..data.streaming import is_streamed
 from ..models import apply_lora, lora_config
 from ..nonfinite import NonFiniteGuardMixin
 from ..reward_models import ValueHeadModel, reward_config_of, unwrap_peft
@@ -102,6 +104,29 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
         if getattr(args, "trust_remote_code", False):
             given.setdefault("trust_remote_code", True)
         return given
+
+    @staticmethod
+    def check_rows_first(datasets, check) -> set[int]:
+        """Check the rows of every raw, in-memory dataset before any model is loaded: a bad row fails in seconds.
+
+        Args:
+            datasets: datasets, dicts of datasets or None (train, eval).
+            check: `dataset -> None`, raising `DataValidationError` (`check_sft_rows`, `check_preference_rows`).
+
+        Returns:
+            The `id()` of each dataset checked, so its preparation does not check it again. Streamed and
+            already-tokenized datasets are left to their preparation.
+        """
+        checked = set()
+        for item in datasets:
+            for dataset in (item.values() if isinstance(item, dict) else [item]):
+                if dataset is None or is_streamed(dataset):
+                    continue
+                if {"input_ids", "chosen_ids"} & set(column_names(dataset)):
+                    continue
+                check(dataset)
+                checked.add(id(dataset))
+        return checked
 
     @staticmethod
     def resolve_tokenizer(processing_class, model, args=None):

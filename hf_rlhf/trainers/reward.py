@@ -23,7 +23,7 @@ from transformers import AutoModelForSequenceClassification, TrainingArguments
 
 from ..collators import PairwiseCollator
 from ..configs import ModelConfig, RewardConfig
-from ..data import ensure_pad_token, main_process_first_if_cached, prepare_preference_dataset
+from ..data import check_preference_rows, ensure_pad_token, main_process_first_if_cached, prepare_preference_dataset
 from ..data.streaming import check_streamed_training, is_streamed
 from ..losses import pairwise_metric_sums, pairwise_reward_loss
 from ..models import check_trainable, resolve_model
@@ -94,6 +94,7 @@ class RewardTrainer(BaseTrainer):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         init_kwargs = {"num_labels": 1, **self.model_init_kwargs(model, args, quantization_config)}
+        checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_preference_rows(d, args))
         model, model_config = resolve_model(model, model_config, AutoModelForSequenceClassification, **init_kwargs)
         find_score_head(model)  # a model that cannot give one reward per sequence fails here, not mid-training
         processing_class = self.resolve_tokenizer(processing_class, model, args)
@@ -111,11 +112,12 @@ class RewardTrainer(BaseTrainer):
         if args.packing_check and (args.padding_free or args.prefix_sharing):  # refuse a layout the model breaks
             check_packing_exact(model, "padding_free" if args.padding_free else "prefix_sharing", args.max_length)
 
-        train_dataset = self._prepare(train_dataset, processing_class, args, "train")
+        train_dataset = self._prepare(train_dataset, processing_class, args, "train", id(train_dataset) in checked)
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: self._prepare(v, processing_class, args, f"eval[{k}]") for k, v in eval_dataset.items()}
+            eval_dataset = {k: self._prepare(v, processing_class, args, f"eval[{k}]", id(v) in checked)
+                            for k, v in eval_dataset.items()}
         else:
-            eval_dataset = self._prepare(eval_dataset, processing_class, args, "eval")
+            eval_dataset = self._prepare(eval_dataset, processing_class, args, "eval", id(eval_dataset) in checked)
         if data_collator is None:
             attn = getattr(reward_config_of(model), "_attn_implementation", None) or ""
             data_collator = PairwiseCollator(
@@ -142,13 +144,14 @@ class RewardTrainer(BaseTrainer):
                              "take; use attn_implementation='sdpa' or 'eager', or padding_free=True")
 
     @staticmethod
-    def _prepare(dataset, tokenizer, args, name):
+    def _prepare(dataset, tokenizer, args, name, rows_checked: bool = False):
         if dataset is None:
             return None
         if name == "train":
             check_streamed_training(args, dataset)
         with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
-            prepared, stats = prepare_preference_dataset(dataset, tokenizer, args, return_stats=True)
+            prepared, stats = prepare_preference_dataset(dataset, tokenizer, args, return_stats=True,
+                                                         rows_checked=rows_checked)
         if stats is None:  # streamed: prepared lazily, nothing counted yet
             return prepared
         logger.info("%s dataset: %d pairs (%d over max_length truncated, %d dropped)", name, len(prepared),

@@ -20,6 +20,7 @@ from ..collators import PackingCollator, PaddingCollator
 from ..configs import ModelConfig, SFTConfig, SFTDataOptions
 from ..data import (
     apply_formatting_func,
+    check_sft_rows,
     ensure_pad_token,
     main_process_first_if_cached,
     prepare_sft_dataset,
@@ -140,6 +141,10 @@ class SFTTrainer(BaseTrainer):
                  *, model_config: ModelConfig | None = None, **kwargs):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
+        if formatting_func is None and not args.skip_prepare_dataset:
+            checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_sft_rows(d, args))
+        else:  # rows become text only once formatted; skipped datasets go to the collator as they are
+            checked = set()
         model, model_config = resolve_model(model, model_config,
                                             **self.model_init_kwargs(model, args, quantization_config))
         processing_class = self.resolve_tokenizer(processing_class, model, args)
@@ -164,7 +169,8 @@ class SFTTrainer(BaseTrainer):
                 dataset = apply_formatting_func(dataset, formatting_func, args.dataset_text_field)
             if args.skip_prepare_dataset:
                 return self._check_skipped(dataset, name, data_collator)
-            return self._prepare(dataset, processing_class, args, name, packing=packing)
+            return self._prepare(dataset, processing_class, args, name, packing=packing,
+                                 rows_checked=id(dataset) in checked)
 
         train_dataset = prepare(train_dataset, "train", args.packing)
         eval_packing = args.packing if args.eval_packing is None else args.eval_packing
@@ -199,7 +205,7 @@ class SFTTrainer(BaseTrainer):
         return dataset
 
     @staticmethod
-    def _prepare(dataset, tokenizer, args, name, packing: bool | None = None):
+    def _prepare(dataset, tokenizer, args, name, packing: bool | None = None, rows_checked: bool = False):
         if dataset is None:
             return None
         if name == "train":
@@ -216,7 +222,7 @@ class SFTTrainer(BaseTrainer):
                 options = SFTDataOptions(**{**{f.name: getattr(args, f.name) for f in fields(SFTDataOptions)},
                                             "max_length": None})
             with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
-                prepared = prepare_sft_dataset(dataset, tokenizer, options)
+                prepared = prepare_sft_dataset(dataset, tokenizer, options, rows_checked=rows_checked)
             if not streamed:
                 logger.info("%s dataset: %d rows tokenized", name, len(prepared))
         if args.shuffle_dataset:  # before packing too, as TRL: which examples share a row is then random

@@ -266,3 +266,19 @@ def test_ppo_trainer_checks_its_prompts_before_it_loads_the_policy(tmp_path, no_
     with pytest.raises(DataValidationError, match=r"row 1, field 'prompt\[1\]\.role'.*got 'assistant'"):
         PPOTrainer(str(tmp_path / "policy"), lambda prompts, completions, **kw: [0.0] * len(prompts), args=args,
                    train_dataset=[{"prompt": p} for p in prompts])
+
+
+@pytest.mark.parametrize("trainer", ["sft", "reward"])
+def test_sft_and_reward_trainers_check_rows_before_they_load_the_model(tmp_path, no_model, trainer):
+    from hf_rlhf import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+
+    if trainer == "sft":
+        rows = [{"prompt": "3+4=", "completion": "7"}, {"prompt": "2+2=", "completion": "   "}]
+        build = lambda: SFTTrainer(str(tmp_path / "model"), SFTConfig(output_dir=str(tmp_path / "out"),  # noqa: E731
+                                                                      report_to="none"), train_dataset=rows)
+    else:
+        rows = [{"prompt": "3+4=", "chosen": "7", "rejected": "8"}, {"prompt": "2+2=", "chosen": "4", "rejected": ""}]
+        build = lambda: RewardTrainer(str(tmp_path / "model"), RewardConfig(output_dir=str(tmp_path / "out"),  # noqa: E731
+                                                                            report_to="none"), train_dataset=rows)
+    with pytest.raises(DataValidationError, match=r"row 1, field '(completion|rejected)'"):
+        build()
