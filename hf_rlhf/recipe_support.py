@@ -399,3 +399,17 @@ def print_kl(kl: dict, timings: dict) -> None:
               f"β final {kl['coef_final']:.4g}")
     if timings:
         print("  seconds: " + ", ".join(f"{name.removesuffix('_s')} {value:.0f}" for name, value in timings.items()))
+
+
+def tokenize_first(train, test, prepare, tokenizer, training_args):
+    """(train, test) checked and tokenized with `prepare` (`prepare_sft_dataset` / `prepare_preference_dataset`)
+    before the model is loaded; rank 0 first when the datasets are cached files."""
+    from .data import main_process_first_if_cached
+
+    prepared = []
+    for name, dataset in (("train", train), ("test", test)):
+        if dataset is not None:
+            with main_process_first_if_cached(training_args, dataset, f"{name} dataset tokenization"):
+                dataset = prepare(dataset, tokenizer, training_args)
+        prepared.append(dataset)
+    return tuple(prepared)

@@ -26,9 +26,10 @@ import os
 from dataclasses import dataclass, field
 
 from hf_rlhf import ModelConfig, RewardConfig, RewardTrainer
+from hf_rlhf.data import prepare_preference_dataset
 from hf_rlhf.recipe_support import (
     exit_after_nonfinite_stop, load_text_dataset, parse_recipe_args, print_outputs, resume_argument, run_recipe,
-    train_run, write_results,
+    tokenize_first, train_run, write_results,
 )
 from hf_rlhf.toy.chain import is_toy_run, prepare_toy_base
 
@@ -91,19 +92,6 @@ def validate_rows(training_args):
     return validate
 
 
-def tokenize_first(train, test, tokenizer, training_args):
-    """(train, test) checked and tokenized (`prepare_preference_dataset`), before the model is loaded."""
-    from hf_rlhf.data import main_process_first_if_cached, prepare_preference_dataset
-
-    prepared = []
-    for name, dataset in (("train", train), ("test", test)):
-        if dataset is not None:
-            with main_process_first_if_cached(training_args, dataset, f"{name} dataset tokenization"):
-                dataset = prepare_preference_dataset(dataset, tokenizer, training_args)
-        prepared.append(dataset)
-    return tuple(prepared)
-
-
 def main(argv: list[str] | None = None) -> dict:
     script_args, model_config, training_args = parse_recipe_args(
         (ScriptArguments, ModelConfig, RewardConfig), argv, TOY_CONFIG)
@@ -126,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
             # tokenizer-level checks (unknown tokens, over-long pairs) before the weights are read
             from hf_rlhf.models import load_tokenizer
 
-            train, test = tokenize_first(train, test, load_tokenizer(model_config), training_args)
+            train, test = tokenize_first(train, test, prepare_preference_dataset, load_tokenizer(model_config),
+                                         training_args)
     model, tokenizer, start = load_reward_base(script_args, model_config, training_args)
     print(f"[hf_rlhf] reward model starts from: {start}")
 

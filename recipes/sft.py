@@ -22,9 +22,10 @@ import os
 from dataclasses import dataclass, field
 
 from hf_rlhf import ModelConfig, SFTConfig, SFTTrainer
+from hf_rlhf.data import prepare_sft_dataset
 from hf_rlhf.recipe_support import (
     exit_after_nonfinite_stop, load_text_dataset, parse_recipe_args, print_outputs, resume_argument,
-    run_recipe, train_run, write_results,
+    run_recipe, tokenize_first, train_run, write_results,
 )
 from hf_rlhf.toy.chain import is_toy_run, prepare_toy_base
 
@@ -70,19 +71,6 @@ def validate_rows(training_args):
     return validate
 
 
-def tokenize_first(train, test, tokenizer, training_args):
-    """(train, test) checked and tokenized (`prepare_sft_dataset`), before the model is loaded."""
-    from hf_rlhf.data import main_process_first_if_cached, prepare_sft_dataset
-
-    prepared = []
-    for name, dataset in (("train", train), ("test", test)):
-        if dataset is not None:
-            with main_process_first_if_cached(training_args, dataset, f"{name} dataset tokenization"):
-                dataset = prepare_sft_dataset(dataset, tokenizer, training_args)
-        prepared.append(dataset)
-    return tuple(prepared)
-
-
 def main(argv: list[str] | None = None) -> dict:
     script_args, model_config, training_args = parse_recipe_args(
         (ScriptArguments, ModelConfig, SFTConfig), argv, TOY_CONFIG)
@@ -111,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         tokenizer = load_tokenizer(model_config)
         if not toy:  # tokenizer-level checks (unknown tokens, over-long rows) before the weights are read
-            train, test = tokenize_first(train, test, tokenizer, training_args)
+            train, test = tokenize_first(train, test, prepare_sft_dataset, tokenizer, training_args)
         model = load_model(model_config)
 
     before = toy_exact_match(model, tokenizer, held_out) if toy else {}

@@ -29,15 +29,6 @@ def _one_thread(one_thread):
     """Every test here on one torch thread (tests/conftest.py)."""
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory, tokenizer):
-    """The "SFT checkpoint" every role starts from."""
-    path = str(tmp_path_factory.mktemp("base"))
-    build_toy_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def _train_reward(base_dir, tokenizer, output_dir, model):
     torch.set_num_threads(1)
     args = RewardConfig(output_dir=output_dir, per_device_train_batch_size=8, max_steps=4, learning_rate=2e-2,

@@ -28,14 +28,6 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory, tokenizer):
-    path = str(tmp_path_factory.mktemp("base"))
-    build_toy_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def texts(prompts):
     # right and wrong answers of several lengths, so that the scores differ and left padding is exercised
     rows = prompts.select(range(6))
