@@ -30,11 +30,13 @@ from trl.models.utils import unwrap_model_for_generation
 
 from hf_rlhf import ModelConfig, PPOConfig, PPOTrainer
 from hf_rlhf.callbacks import NonFiniteStopCallback, PlotCallback, SampleCompletionsCallback
-from hf_rlhf.recipe_support import (
-    KL_BAND, PromptData, check_ppo_options, evaluate_completions, exit_after_nonfinite_stop, given_options,
-    kl_summary, load_prompt_data, load_reward_function, parse_recipe_args, print_kl, print_outputs, resume_argument,
-    run_recipe, train_run, write_results,
-)
+from hf_rlhf.cli.arguments import check_ppo_options, given_options, parse_recipe_args
+from hf_rlhf.cli.data_loading import PromptData, load_prompt_data, load_reward_function
+from hf_rlhf.cli.errors import run_recipe
+from hf_rlhf.cli.evaluation import KL_BAND, evaluate_completions, kl_summary
+from hf_rlhf.cli.printing import print_kl, print_outputs
+from hf_rlhf.cli.results import exit_after_nonfinite_stop, write_results
+from hf_rlhf.cli.resume import resume_argument, train_run
 from hf_rlhf.toy.chain import ToyChainArguments, is_toy_run, toy_chain
 
 RECIPES = os.path.dirname(os.path.abspath(__file__))

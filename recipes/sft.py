@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 
 from hf_rlhf import ModelConfig, SFTConfig, SFTTrainer
 from hf_rlhf.data import prepare_sft_dataset
-from hf_rlhf.recipe_support import (
-    exit_after_nonfinite_stop, load_text_dataset, parse_recipe_args, print_outputs, resume_argument,
-    run_recipe, tokenize_first, train_run, write_results,
-)
+from hf_rlhf.cli.arguments import parse_recipe_args
+from hf_rlhf.cli.data_loading import load_text_dataset, tokenize_first
+from hf_rlhf.cli.errors import run_recipe
+from hf_rlhf.cli.printing import print_outputs
+from hf_rlhf.cli.results import exit_after_nonfinite_stop, write_results
+from hf_rlhf.cli.resume import resume_argument, train_run
 from hf_rlhf.toy.chain import is_toy_run, prepare_toy_base
 
 TOY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "sft_toy.yaml")

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..recipe_support import PromptData
+from ..cli.data_loading import PromptData
 from .tasks import prompt_dataset, reward_fn, task_of
 
 # a child started from a rank of a multi-process launch must not join that launch's process group

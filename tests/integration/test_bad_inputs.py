@@ -17,7 +17,7 @@ import hf_rlhf.models
 from hf_rlhf.data import DataFileError, DataValidationError
 from hf_rlhf.ppo.config import PPOConfig
 from hf_rlhf.ppo.loader import prepare_prompt_dataset
-from hf_rlhf.recipe_support import RecipeOptionError
+from hf_rlhf.cli.errors import RecipeOptionError
 from recipes import ppo as ppo_recipe
 from recipes import reward as reward_recipe
 from recipes import sft as sft_recipe

@@ -92,7 +92,7 @@ def test_a_real_run_needs_a_policy_and_a_reward_model(tmp_path):
 
 def test_callbacks_for_a_fixed_and_an_adaptive_kl_coefficient():
     from hf_rlhf.callbacks import PlotCallback, SampleCompletionsCallback
-    from hf_rlhf.recipe_support import PromptData
+    from hf_rlhf.cli.data_loading import PromptData
 
     script_args = SimpleNamespace(sample_prompts=2, sample_every=0, plot=True)
     data = PromptData(train=None, held_out={"prompt": ["1+2=", "3+4=", "5+6="]})

@@ -17,7 +17,8 @@ LAYERS = {
     "models": 3, "reward_models": 3, "adapters": 3, "merge": 3, "packing_check": 3, "generation": 3,
     "rewards": 4, "ppo": 4, "callbacks": 4, "checkpoints": 4, "nonfinite": 4,
     "trainers": 5, "": 5,
-    "toy": 6,
+    "cli": 6,
+    "toy": 7,
 }
 MATH_THIRD_PARTY = {"torch", "math", "__future__", "collections", "dataclasses", "typing", "numbers", "functools"}
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from hf_rlhf import ModelConfig, PPOConfig
-from hf_rlhf.recipe_support import parse_recipe_args
+from hf_rlhf.cli.arguments import parse_recipe_args
 from hf_rlhf.toy.chain import ToyChainArguments
 from recipes import ppo
 

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from hf_rlhf import ModelConfig, RewardConfig
-from hf_rlhf.recipe_support import parse_recipe_args
+from hf_rlhf.cli.arguments import parse_recipe_args
 from recipes import reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -15,7 +15,7 @@ from hf_rlhf.config_checks import RENAMED, check_field_types
 from hf_rlhf.configs import DataOptions, PreferenceDataOptions, SFTDataOptions
 from hf_rlhf.losses import dft_loss
 from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.recipe_support import parse_recipe_args
+from hf_rlhf.cli.arguments import parse_recipe_args
 
 CUDA = torch.cuda.is_available()
 TRAINING_ARGS = {f.name for f in dataclasses.fields(TrainingArguments)}

@@ -1,0 +1,19 @@
+"""How a recipe fails on the command line: a bad option or input exits with one `[hf_rlhf] error: ...` line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class RecipeOptionError(ValueError):
+    """A recipe's options that cannot make a run (a missing dataset, policy or reward); raised before any loading."""
+
+
+def run_recipe(main: Callable) -> None:
+    """Run a recipe's `main()` from the command line: a bad input or option exits with its message, not a traceback."""
+    from ..data import DataFileError, DataValidationError
+
+    try:
+        main()
+    except (DataFileError, DataValidationError, RecipeOptionError) as e:
+        raise SystemExit(f"[hf_rlhf] error: {e}") from None
