@@ -137,7 +137,8 @@ def resolve_model(model, model_config: ModelConfig | None, model_class=AutoModel
 
     Raises:
         TypeError: `model` is neither a path nor an `nn.Module`.
-        ValueError: `model_config` asks for 4/8-bit loading of a model that is already built.
+        ValueError: `model_config` asks for 4/8-bit loading of a model that is already built in full precision (a
+            model loaded quantized, e.g. by `load_model` with the same `model_config`, is taken as it is).
     """
     if isinstance(model, str):
         if model_config is None:
@@ -147,7 +148,9 @@ def resolve_model(model, model_config: ModelConfig | None, model_class=AutoModel
         return load_model(model_config, model_class, **kwargs), model_config
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a path, a PreTrainedModel or a PeftModel, got {type(model).__name__}.")
-    if model_config is not None and (model_config.load_in_4bit or model_config.load_in_8bit):
+    quantized = getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_loaded_in_4bit", False) \
+        or getattr(model, "is_loaded_in_8bit", False)
+    if model_config is not None and (model_config.load_in_4bit or model_config.load_in_8bit) and not quantized:
         raise ValueError("model_config asks for 4/8-bit loading, but the model is already built; "
                          "load it quantized yourself or pass the model as a path.")
     return model, model_config
