@@ -168,7 +168,6 @@ def test_inside_a_launched_process_the_recipe_runs_here():
     assert launch.should_launch(["--num_processes", "2"], {"WORLD_SIZE": "2"}) is False
 
 
-@pytest.mark.slow
 def test_accelerate_launch_runs_the_cli_module(tmp_path, tiny_model_dir):
     """`accelerate launch -m hf_rlhf.cli ppo ...`, one process: the recipe runs in the launched process."""
     out = tmp_path / "ppo"
@@ -215,14 +214,13 @@ def test_ppo_writes_the_recipes_results(tmp_path, tiny_model_dir):
 def tiny_config(tmp_path, name: str, **changes) -> str:
     with open(os.path.join(CONFIGS, f"{name}_toy.yaml")) as f:
         config = yaml.safe_load(f)
-    config.update(toy_model_size="tiny", toy_test_size=8, max_steps=2, logging_steps=1,
-                  per_device_train_batch_size=16, disable_tqdm=True, **changes)
+    config.update({"toy_model_size": "tiny", "toy_test_size": 8, "max_steps": 2, "logging_steps": 1,
+                   "per_device_train_batch_size": 16, "disable_tqdm": True, **changes})
     path = tmp_path / f"{name}_tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
 
 
-@pytest.mark.slow
 def test_the_chain_builds_sft_and_reward_then_ppo_and_says_what_next(tmp_path, capsys):
     sft_dir, reward_dir, out = tmp_path / "sft", tmp_path / "reward", tmp_path / "ppo"
     argv = ["chain", "--sft_model_path", str(sft_dir), "--sft_config", tiny_config(tmp_path, "sft", toy_train_size=64),
