@@ -93,7 +93,10 @@ def run_training(command: str, argv: list[str]) -> int:
     from .arguments import config_path
     from .recipes import load_recipe, recipes_dir
 
-    module = load_recipe(COMMANDS[command][0])
+    try:
+        module = load_recipe(COMMANDS[command][0])
+    except FileNotFoundError as e:
+        return error(str(e), 1)
     if {"-h", "--help"} & set(argv):
         return show_help(command, module)
     config = config_path(argv)
