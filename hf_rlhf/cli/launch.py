@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 
 from .arguments import unknown_option_message
 from .errors import RecipeOptionError
@@ -118,5 +119,7 @@ def launch(command: str, recipe_args: list[str], launch_args: list[str], recipes
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     launch_args = resolve_accelerate_config(launch_args, recipes_dir)
-    args = launch_command_parser().parse_args([*launch_args, "--module", "hf_rlhf.cli", command, *recipe_args])
+    argv = [*launch_args, "--module", "hf_rlhf.cli", command, *recipe_args]
+    print("[hf_rlhf] accelerate launch " + " ".join(shlex.quote(a) for a in argv), flush=True)
+    args = launch_command_parser().parse_args(argv)
     launch_command(args)

@@ -146,7 +146,7 @@ def test_env_prints_the_versions_and_the_device(capsys):
 # --- accelerate launch ----------------------------------------------------------------------------------------
 
 
-def test_launch_options_are_handed_to_accelerate_launch(monkeypatch):
+def test_launch_options_are_handed_to_accelerate_launch(monkeypatch, capsys):
     """As `trl sft --num_processes 2 --accelerate_config zero3 ...`: accelerate's options (a recipe option wins a
     name both have) go to `accelerate launch -m hf_rlhf.cli <command>`, the rest to the recipe, order kept."""
     for name in launch.LAUNCHED_ENV:
@@ -160,6 +160,10 @@ def test_launch_options_are_handed_to_accelerate_launch(monkeypatch):
     assert launched["module"] and launched["training_script"] == "hf_rlhf.cli"
     assert launched["training_script_args"] == ["ppo", "--learning_rate", "1e-4", "--gradient_accumulation_steps",
                                                  "2", "--use_peft"]
+    ddp = os.path.join(ROOT, "recipes", "accelerate", "ddp.yaml")
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"[hf_rlhf] accelerate launch --config_file {ddp} --num_processes 2 --mixed_precision=no --module hf_rlhf.cli "
+        "ppo --learning_rate 1e-4 --gradient_accumulation_steps 2 --use_peft")
 
 
 def test_inside_a_launched_process_the_recipe_runs_here():
