@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 
 from ..config_checks import check_renamed
@@ -70,6 +71,8 @@ def parse_recipe_args(dataclass_types, argv: list[str] | None, toy_config: str):
     dataclass's `seed` (the TrainingArguments).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    # `--config=x.yaml` as `--config x.yaml`: TrlParser reads the file only when its name is a token of its own
+    argv = [t for a in argv for t in (a.split("=", 1) if a.startswith("--config=") else [a])]
     real_run = any(a.split("=")[0] in ("--config", "--model_name_or_path", "--dataset_name") for a in argv)
     config = config_path(argv)
     if config is not None and not os.path.isfile(config):
@@ -118,7 +121,7 @@ def check_known_options(parser, argv: list[str]) -> None:
     """
     options = set(parser._option_string_actions) | {"--config"}
     for a in argv:
-        if a.startswith("--") and a != "--":
+        if (a.startswith("--") and a != "--") or re.fullmatch(r"-[A-Za-z].*", a):  # not a value such as -0.5
             name = a.split("=")[0]
             if name not in options:
                 raise RecipeOptionError(unknown_option_message(name, options))

@@ -72,6 +72,16 @@ def test_unknown_option_names_the_closest_valid_one(capsys):
         "[hf_rlhf] error: unknown option --lerning_rate (did you mean --learning_rate?)"
 
 
+def test_config_with_an_equals_sign_and_a_short_option(tmp_path):
+    """`--config=x.yaml` reads the file as `--config x.yaml` does; a short option the recipe lacks is one line too."""
+    out = tmp_path / "out"
+    assert main(["sft", f"--config={os.path.join(CONFIGS, 'sft_toy.yaml')}", *TINY["sft"], "--output_dir", str(out)]) \
+        == 0
+    assert read(out)["task"] == "toy"
+    with pytest.raises(SystemExit, match=r"^\[hf_rlhf\] error: unknown option -t \(--help lists the options\)$"):
+        main(["sft", "-t", "x"])
+
+
 def test_missing_config_file(capsys, tmp_path):
     missing = str(tmp_path / "nope.yaml")
     assert main(["sft", "--config", missing]) == 2
