@@ -25,7 +25,9 @@ class _KeepSharedNamespace(argparse.Namespace):
             super().__delattr__(name)
 
 
-def _make_parser(dataclass_types):
+def make_parser(dataclass_types):
+    """trl's `TrlParser` for `dataclass_types`: a field several of them hold is one option, `--help` groups the
+    options by dataclass."""
     from trl import TrlParser
 
     class SharedFieldsParser(TrlParser):
@@ -82,7 +84,7 @@ def parse_recipe_args(dataclass_types, argv: list[str] | None, toy_config: str):
         print(f"[hf_rlhf] running the embedded toy task ({os.path.relpath(toy_config)})")
         argv = ["--config", toy_config, *argv]
     check_renamed_cli_options(argv, dataclass_types)
-    parser = _make_parser(dataclass_types)
+    parser = make_parser(dataclass_types)
     check_known_options(parser, argv)
     parsed = parser.parse_args_and_config(args=argv, fail_with_unknown_args=True)
     # seed before any model is built: a head added at load time (the reward model's score layer on an SFT

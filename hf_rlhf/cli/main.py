@@ -104,15 +104,15 @@ def run_training(command: str, argv: list[str]) -> int:
         return error(f"--config {config}: no such file" if config else "--config needs a YAML file")
     try:
         recipe_args, launch_args = launch.split_arguments(argv, launch.recipe_option_names(module))
+        if command == "chain" and not chain_arguments_ok(recipe_args):
+            return 2
         if launch.should_launch(launch_args):
             launch.launch(command, recipe_args, launch_args, recipes_dir())
             return 0
     except RecipeOptionError as e:
         return error(str(e))
     if command == "chain":
-        recipe_args = check_chain(recipe_args)
-        if recipe_args is None:
-            return 2
+        recipe_args = [*CHAIN_DEFAULTS, *recipe_args]  # options given win: argparse keeps the last value
     sys.argv[0] = f"{PROG} {command}"  # the recipe's messages and argparse's usage name the subcommand
     results = run_recipe(lambda: module.main(recipe_args))
     if command == "chain" and results:
@@ -122,14 +122,14 @@ def run_training(command: str, argv: list[str]) -> int:
     return 0
 
 
-def check_chain(argv: list[str]) -> list[str] | None:
-    """`chain`'s arguments: the toy task's (no `--dataset_name` or `--model_name_or_path`) with the reward model."""
+def chain_arguments_ok(argv: list[str]) -> bool:
+    """`chain` runs the toy task: no `--dataset_name` or `--model_name_or_path` (else one error line)."""
     given = {a.split("=")[0] for a in argv}
     if given & {"--dataset_name", "--model_name_or_path"}:
         error(f"{PROG} chain runs the embedded toy task; on your own data and models run {PROG} sft, reward and ppo "
               f"(`{PROG} chain` prints the commands at its end)")
-        return None
-    return [*CHAIN_DEFAULTS, *argv]
+        return False
+    return True
 
 
 def print_chain_summary_for(results: dict, module, argv: list[str], printer) -> None:
@@ -137,14 +137,15 @@ def print_chain_summary_for(results: dict, module, argv: list[str], printer) -> 
     YAML, then `argv`); on the main process only."""
     from accelerate import PartialState
 
-    from .arguments import _make_parser
+    from .arguments import config_path, make_parser
 
     if not PartialState().is_main_process:
         return
     types = [t for t in vars(module).values() if isinstance(t, type) and t.__name__ in (
         "ScriptArguments", "ToyChainArguments", "PPOConfig")]
-    parsed = _make_parser(types).parse_args_and_config(["--config", module.TOY_CONFIG, *argv],
-                                                       return_remaining_strings=True)[:-1]
+    # as parse_recipe_args: the toy YAML unless a --config is given (chain refuses --model_name_or_path and data)
+    argv = argv if config_path(argv) is not None else ["--config", module.TOY_CONFIG, *argv]
+    parsed = make_parser(types).parse_args_and_config(argv, return_remaining_strings=True)[:-1]
     parsed = {type(p).__name__: p for p in parsed}
     script, toy, args = parsed["ScriptArguments"], parsed["ToyChainArguments"], parsed["PPOConfig"]
     reward = script.reward_model_path if script.reward_source == "model" else None

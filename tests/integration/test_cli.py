@@ -106,6 +106,12 @@ def test_unknown_accelerate_config_name(capsys, monkeypatch):
         "deepspeed_zero3_offload, fsdp")
 
 
+def test_chain_is_the_toy_task(capsys):
+    assert main(["chain", "--dataset_name", "my/prompts"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "[hf_rlhf] error: hf-rlhf chain runs the embedded toy task; on your own data and models run hf-rlhf sft, ")
+
+
 def test_a_bad_invocation_prints_no_traceback():
     done = subprocess.run([sys.executable, "-m", "hf_rlhf.cli", "ppo", "--lerning_rate", "1e-4"],
                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
