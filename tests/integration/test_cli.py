@@ -135,6 +135,24 @@ def test_help_lists_every_command_on_one_line(capsys):
     assert ("dpo" in available_commands()) == os.path.isfile(os.path.join(ROOT, "recipes", "dpo.py"))
 
 
+def test_a_recipe_with_a_main_becomes_a_command(tmp_path, monkeypatch):
+    """`dpo` is listed, and runs, once recipes/dpo.py defines main(): nothing to register."""
+    import hf_rlhf.cli.recipes
+
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "sft.py").write_text("def main(argv=None):\n    return {}\n")
+    monkeypatch.setattr(hf_rlhf.cli.recipes, "CHECKOUT_RECIPES", str(folder))
+    assert "dpo" not in available_commands()
+    (folder / "dpo.py").write_text(
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass ScriptArguments:\n    beta: float = 0.1\n\n\n"
+        "CALLS = []\n\n\ndef main(argv=None):\n    CALLS.append(argv)\n    return {}\n")
+    assert "dpo" in available_commands()
+    assert main(["dpo", "--beta", "0.5"]) == 0
+    assert sys.modules["_hf_rlhf_recipes.dpo"].CALLS == [["--beta", "0.5"]]
+    assert main(["dpo", "--betta", "0.5"]) == 2  # its options are known from its dataclasses
+
+
 def test_ppo_help_groups_the_options_by_config_class(capsys):
     assert main(["ppo", "--help"]) == 0
     out = capsys.readouterr().out
