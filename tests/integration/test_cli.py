@@ -124,6 +124,18 @@ def test_a_bad_invocation_prints_no_traceback():
     assert str(e.value) == "[hf_rlhf] error: unknown option --max_stepz (did you mean --max_steps?)"
 
 
+def test_the_console_scripts_point_at_the_commands():
+    import importlib
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts == {"hf-rlhf": "hf_rlhf.cli.main:main", "hf-rlhf-merge": "hf_rlhf.merge:main"}
+    for target in scripts.values():
+        module, _, name = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), name))
+
+
 # --- help and env ---------------------------------------------------------------------------------------------
 
 
