@@ -35,8 +35,8 @@ def resolve_dtype(name: str | None) -> torch.dtype | str | None:
 def quantization_config(model_config: ModelConfig):
     """A `BitsAndBytesConfig` for 4/8-bit loading, or None: `trl.get_quantization_config`. Needs the `qlora` extra.
 
-    TRL takes the 4-bit compute dtype from `dtype`, which is invalid for "auto" (our default) and bf16 on CPU
-    is slow; so TRL is asked with `dtype` set to `bnb_4bit_compute_dtype` (None: bfloat16 on CUDA, float32 on CPU).
+    TRL takes the 4-bit compute dtype from `dtype`, which fails for "auto", and bf16 compute is slow on CPU while fp32
+    is slow on CUDA; so TRL is asked with `dtype` set to `bnb_4bit_compute_dtype` (None: bfloat16 on CUDA, float32 on CPU).
     """
     if not (model_config.load_in_4bit or model_config.load_in_8bit):
         return None
