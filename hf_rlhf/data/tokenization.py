@@ -89,25 +89,33 @@ def token_id(tokenizer, token: str, option: str) -> int:
 
 
 def ensure_pad_token(tokenizer, pad_token: str | None) -> None:
-    """Set `tokenizer.pad_token` from the `pad_token` option; require one if the tokenizer has none.
+    """Set `tokenizer.pad_token` from the `pad_token` option; without one, fall back to eos (as TRL), with a warning.
 
-    The eos token is never used as a silent fallback: a collator that masks labels by pad id would then
-    also mask every real eos, and the model would never learn to stop.
+    The fallback is safe here: every collator builds labels from `input_ids` and the completion / assistant masks
+    and pads them with -100 (never by comparing with the pad id), and scores are read at the last position of the
+    attention mask, so a real eos stays trained on and scored even when it is also the pad token.
 
     Args:
         tokenizer: the tokenizer, changed in place.
-        pad_token: a token of its vocabulary, or None to keep the tokenizer's pad token.
+        pad_token: a token of its vocabulary, or None to keep the tokenizer's pad token (eos when it has none).
+
+    Raises:
+        ValueError: `pad_token` is not in the vocabulary, or the tokenizer has neither a pad nor an eos token.
     """
     if pad_token is not None:
         token_id(tokenizer, pad_token, "pad_token")
         tokenizer.pad_token = pad_token
         return
-    if tokenizer.pad_token is None:
+    if tokenizer.pad_token is not None:
+        return
+    if tokenizer.eos_token is None:
         raise ValueError(
-            "tokenizer has no pad token: set SFTConfig.pad_token to a token of its vocabulary that is not the "
-            "eos token (e.g. an unused reserved token), or add one with "
-            "tokenizer.add_special_tokens({'pad_token': '<pad>'}) and model.resize_token_embeddings(len(tokenizer)). "
-            "The eos token is not used silently: eos positions would be masked out of the labels.")
+            "tokenizer has neither a pad token nor an eos token: set the config's pad_token to a token of its "
+            "vocabulary, or add one with tokenizer.add_special_tokens({'pad_token': '<pad>'}) and "
+            "model.resize_token_embeddings(len(tokenizer)).")
+    logger.warning("tokenizer has no pad token: padding with its eos token %r (as TRL does; labels and scores come "
+                   "from masks, so eos is still trained on). Set pad_token to choose another.", tokenizer.eos_token)
+    tokenizer.pad_token = tokenizer.eos_token
 
 
 def eos_token_id(tokenizer, eos_token: str | None, option: str) -> int:

@@ -189,3 +189,27 @@ def test_conversational_assistant_only_loss_trains(tmp_path, tokenizer):
     trainer.train()
     hist = losses(trainer)
     assert hist[-1] < hist[0]
+
+
+@pytest.mark.parametrize("fmt", ["prompt_completion", "text"])
+def test_tokenizer_without_pad_token_pads_with_eos_and_keeps_eos_trained(tmp_path, tokenizer, fmt):
+    """As TRL: no pad token -> eos pads. Labels come from masks and are padded with -100, so every real eos (the
+    last token of each row) is still a label, while the padding after it is not."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = None
+    rows = sft_dataset(8, seed=3, format=fmt)
+    trainer = SFTTrainer(build_toy_model(tok, "tiny"), args=make_args(tmp_path, max_steps=2),
+                         train_dataset=rows, processing_class=tok)
+    assert tok.pad_token_id == tok.eos_token_id
+    features = [trainer.train_dataset[i] for i in range(4)]
+    batch = trainer.data_collator(features)
+    for row, feature in enumerate(features):
+        n = len(feature["input_ids"])
+        assert feature["input_ids"][-1] == tok.eos_token_id
+        assert batch["labels"][row, n - 1].item() == tok.eos_token_id  # the real eos is trained on
+        assert (batch["labels"][row, n:] == -100).all()  # the eos padding after it is not
+    assert any(len(f["input_ids"]) < batch["input_ids"].shape[1] for f in features)  # some row was padded
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(losses(trainer))))

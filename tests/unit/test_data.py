@@ -209,11 +209,22 @@ def test_error_pickles_for_worker_processes():
 # Tokenizer set-up
 
 
-def test_no_pad_token_is_an_error_not_eos():
+def test_no_pad_token_falls_back_to_eos_with_a_warning(caplog):
     tok = build_tokenizer(pad=False)
-    with pytest.raises(ValueError, match="tokenizer has no pad token: set SFTConfig.pad_token"):
+    with caplog.at_level("WARNING", logger="hf_rlhf"):
         ensure_pad_token(tok, None)
-    assert tok.pad_token is None  # eos was not used silently
+    assert tok.pad_token == tok.eos_token and tok.pad_token_id == tok.eos_token_id
+    assert "no pad token: padding with its eos token" in caplog.text
+    caplog.clear()
+    ensure_pad_token(tok, None)  # a tokenizer that has one now is left as it is, silently
+    assert not caplog.text
+
+
+def test_no_pad_and_no_eos_token_is_an_error():
+    tok = build_tokenizer(pad=False)
+    tok.eos_token = None
+    with pytest.raises(ValueError, match="neither a pad token nor an eos token"):
+        ensure_pad_token(tok, None)
 
 
 def test_pad_token_from_config():
