@@ -218,11 +218,32 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
-        if mode == "eval" or "loss" in logs:  # a training log, not the run's closing summary
+        # a training log, an evaluation, or the run's closing summary (`train_runtime`): the summary gets what
+        # accumulated after the last logging step, as TRL's, so a run that ends between logging steps loses nothing
+        if mode == "eval" or "loss" in logs or "train_runtime" in logs:
             prefix = "eval_" if mode == "eval" else ""
-            totals = self.metrics[mode].totals(self.accelerator)
-            logs.update({prefix + name: value for name, value in self.logged_metrics(mode, totals).items()})
+            totals = self.metrics[mode].totals(self.accelerator)  # every rank calls it: the summary is logged on all
+            if mode == "eval" or "loss" in logs or any(weight > 0 for _, weight in totals.values()):
+                logs.update({prefix + name: value for name, value in self.logged_metrics(mode, totals).items()})
         super().log(logs, start_time)
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """`Trainer.evaluate`, with a dataset passed here prepared as the eval datasets given at init are (as TRL):
+        raw rows are checked, tokenized (and packed where the config packs evaluation); a tokenized dataset is left
+        as it is; a `str` names an eval dataset prepared at init."""
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            if isinstance(eval_dataset, dict):
+                eval_dataset = {key: self.prepare_eval_dataset(dataset, f"eval[{key}]")
+                                for key, dataset in eval_dataset.items()}
+            else:
+                eval_dataset = self.prepare_eval_dataset(eval_dataset, "eval")
+        return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    def prepare_eval_dataset(self, dataset, name: str):
+        """A dataset passed to `evaluate`, prepared for this trainer's collator; trainers that prepare their
+        datasets override it (the base returns it as it is)."""
+        return dataset
 
     # -- saving and resuming modules that are not a PreTrainedModel ---------------------------------
     @staticmethod

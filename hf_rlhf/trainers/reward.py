@@ -143,6 +143,11 @@ class RewardTrainer(BaseTrainer):
             raise ValueError(f"prefix_sharing needs a custom attention mask, which {attn!r} attention does not "
                              "take; use attn_implementation='sdpa' or 'eager', or padding_free=True")
 
+    def prepare_eval_dataset(self, dataset, name: str):
+        """A dataset passed to `evaluate`: preference rows checked and tokenized like the eval sets of `__init__`
+        (already tokenized pairs are taken as they are)."""
+        return self._prepare(dataset, self.processing_class, self.args, name)
+
     @staticmethod
     def _prepare(dataset, tokenizer, args, name, rows_checked: bool = False):
         if dataset is None:

@@ -179,6 +179,7 @@ class SFTTrainer(BaseTrainer):
         else:
             eval_dataset = prepare(eval_dataset, "eval", eval_packing)
 
+        self.formatting_func = formatting_func
         self.packed = packs
         if self.packed and args.packing_check:  # refuse an architecture whose packed sequences would see each other
             check_packing_exact(model, "packing" if args.packing or args.eval_packing else "padding_free")
@@ -194,6 +195,21 @@ class SFTTrainer(BaseTrainer):
                          compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
                          optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+
+    def prepare_eval_dataset(self, dataset, name: str):
+        """A dataset passed to `evaluate`: raw rows formatted, checked and tokenized like the eval sets of
+        `__init__` (packed with `eval_packing`); a tokenized one is left as it is; one that `skip_prepare_dataset`
+        skips goes to the collator as it is."""
+        args = self.args
+        if args.skip_prepare_dataset:
+            return dataset
+        columns = stream_columns(dataset, first_rows(dataset)[0]) if is_streamed(dataset) else dataset.column_names
+        if "input_ids" in columns:
+            return dataset
+        if self.formatting_func is not None:
+            dataset = apply_formatting_func(dataset, self.formatting_func, args.dataset_text_field)
+        packing = args.packing if args.eval_packing is None else args.eval_packing
+        return self._prepare(dataset, self.processing_class, args, name, packing=packing)
 
     # -- setup ---------------------------------------------------------------------------------
     @staticmethod

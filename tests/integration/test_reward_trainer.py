@@ -317,3 +317,16 @@ def test_tokenizer_without_pad_token_pads_with_eos_and_scores_the_real_last_toke
     with torch.no_grad():
         batched = get_rewards(model, batch["input_ids"], batch["attention_mask"])
     assert_close(batched, rewards_alone(model, sequences), atol=1e-5, rtol=0)
+
+
+def test_evaluate_prepares_raw_pairs_passed_to_it(tmp_path, tokenizer, pairs):
+    """As TRL: `evaluate(eval_dataset=raw_pairs)` tokenizes the pairs like an eval set given at init."""
+    raw = preference_dataset(12, seed=4, split="test")
+    args = make_args(tmp_path, max_steps=1, per_device_eval_batch_size=4)
+    at_init = RewardTrainer(build_toy_reward_model(tokenizer), args=args, train_dataset=pairs, eval_dataset=raw,
+                            processing_class=tokenizer).evaluate()
+    trainer = RewardTrainer(build_toy_reward_model(tokenizer), args=args, train_dataset=pairs,
+                            processing_class=tokenizer)
+    passed = trainer.evaluate(eval_dataset=raw)
+    assert passed["eval_loss"] == pytest.approx(at_init["eval_loss"], abs=1e-6)
+    assert passed["eval_accuracy"] == at_init["eval_accuracy"]

@@ -213,3 +213,43 @@ def test_tokenizer_without_pad_token_pads_with_eos_and_keeps_eos_trained(tmp_pat
     assert any(len(f["input_ids"]) < batch["input_ids"].shape[1] for f in features)  # some row was padded
     trainer.train()
     assert all(torch.isfinite(torch.tensor(losses(trainer))))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_evaluate_prepares_a_raw_dataset_passed_to_it(tmp_path, tokenizer, train_rows, packing):
+    """As TRL: `evaluate(eval_dataset=raw_rows)` tokenizes (and packs) the rows like an eval set given at init, in
+    memory or streamed; the loss equals the one of the same rows given at init."""
+    from datasets import load_dataset
+
+    raw = sft_dataset(12, seed=4, format="prompt_completion")
+    args = make_args(tmp_path, max_steps=1, packing=packing, per_device_eval_batch_size=4)
+    at_init = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=args, train_dataset=train_rows,
+                         eval_dataset=raw, processing_class=tokenizer).evaluate()
+    trainer = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=args, train_dataset=train_rows,
+                         processing_class=tokenizer)
+    passed = trainer.evaluate(eval_dataset=raw)
+    assert passed["eval_loss"] == pytest.approx(at_init["eval_loss"], abs=1e-6)
+    named = trainer.evaluate(eval_dataset={"held_out": raw})
+    assert named["eval_held_out_loss"] == pytest.approx(at_init["eval_loss"], abs=1e-6)
+    path = str(tmp_path / "eval.jsonl")
+    raw.to_json(path)
+    streamed = trainer.evaluate(eval_dataset=load_dataset("json", data_files=path, split="train", streaming=True))
+    if not packing:  # a packed stream is packed in windows, so its rows differ; its loss is still a loss
+        assert streamed["eval_loss"] == pytest.approx(at_init["eval_loss"], abs=1e-5)
+    assert streamed["eval_loss"] > 0
+
+
+def test_a_run_ending_between_logging_steps_logs_its_metrics_in_the_last_record(tmp_path, tokenizer, train_rows):
+    """As TRL: 9 steps with logging_steps=10 log no training record, so the closing summary carries the
+    accumulated metrics (mean_token_accuracy, entropy, num_tokens)."""
+    trainer = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path, max_steps=9, logging_steps=10),
+                         train_dataset=train_rows, processing_class=tokenizer)
+    trainer.train()
+    last = trainer.state.log_history[-1]
+    assert "train_runtime" in last and not losses(trainer)  # no logging step was reached
+    assert 0 <= last["mean_token_accuracy"] <= 1 and last["entropy"] > 0 and last["num_tokens"] > 0
+    # a run that ends on a logging step has nothing left over: the summary repeats nothing
+    trainer = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path, max_steps=4, logging_steps=2),
+                         train_dataset=train_rows, processing_class=tokenizer)
+    trainer.train()
+    assert "mean_token_accuracy" not in trainer.state.log_history[-1]
