@@ -193,7 +193,7 @@ def check_trainable(model) -> None:
                          "ModelConfig(use_peft=True).")
 
 
-def set_router_aux_loss(model, coef: float | None) -> None:
+def set_router_aux_loss(model, coef: float | None) -> bool:
     """Switch a Mixture-of-Experts model's load-balancing loss on or off, as `trl.SFTTrainer` does.
 
     The model adds `router_aux_loss_coef * aux_loss` to its own loss when `output_router_logits` is on; TRL turns it
@@ -202,6 +202,9 @@ def set_router_aux_loss(model, coef: float | None) -> None:
     Args:
         model: a causal LM, or a `PeftModel` of one.
         coef: the coefficient; None: the model config's own.
+
+    Returns:
+        whether the load-balancing loss is on (TRL's `aux_loss_enabled`).
 
     Raises:
         ValueError: `coef` is given for a model that is not MoE.
@@ -214,13 +217,14 @@ def set_router_aux_loss(model, coef: float | None) -> None:
         if coef is not None:
             raise ValueError(f"router_aux_loss_coef={coef} but {type(base).__name__} is not a Mixture-of-Experts "
                              "model (its config has no router_aux_loss_coef); leave it None.")
-        return
+        return False
     coef = config.router_aux_loss_coef if coef is None else coef
     config.router_aux_loss_coef = coef
     if hasattr(base, "router_aux_loss_coef"):  # copied from the config when the model was built
         base.router_aux_loss_coef = coef
     if hasattr(config, "output_router_logits"):
         config.output_router_logits = coef != 0
+    return bool(getattr(config, "output_router_logits", False)) and coef != 0
 
 
 def apply_lora(model: PreTrainedModel, peft_config, gradient_checkpointing: bool = False):

@@ -46,6 +46,7 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
     """
 
     config_class: type = None
+    tag_names: tuple[str, ...] = ("hf_rlhf",)  # added to the model's tags (its model card), with TRL's for the trainer
     default_output_dir: str = "output"
     counts_tokens: bool = False  # log `num_tokens`: the trainer adds each batch's real tokens to metrics["train"]
 
@@ -106,6 +107,12 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
         return given
 
     @staticmethod
+    def require_train_dataset(train_dataset) -> None:
+        """TRL's check: a trainer is built to train; evaluation-only use passes the rows to train on all the same."""
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required (as in TRL): pass the rows to train on.")
+
+    @staticmethod
     def check_rows_first(datasets, check) -> set[int]:
         """Check the rows of every raw, in-memory dataset before any model is loaded: a bad row fails in seconds.
 
@@ -122,6 +129,12 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
             for dataset in (item.values() if isinstance(item, dict) else [item]):
                 if dataset is None or is_streamed(dataset):
                     continue
+                if getattr(dataset, "format", {}).get("type") == "custom":  # as TRL refuses it
+                    raise ValueError(
+                        "a dataset with Dataset.with_transform() cannot be prepared: preparation calls Dataset.map(), "
+                        "which reads through the transform and would bake a random or stateful transform into the "
+                        "tokenized columns. Pass dataset_kwargs={'skip_prepare_dataset': True} and make the transform "
+                        "return tokenized rows, or apply a deterministic transform with Dataset.map() first.")
                 if {"input_ids", "chosen_ids"} & set(column_names(dataset)):
                     continue
                 check(dataset)
@@ -188,6 +201,8 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
         self.metrics = {"train": MetricAccumulator(), "eval": MetricAccumulator()}
         self._num_tokens = None  # real tokens trained on so far (`counts_tokens`)
         super().__init__(*args, **kwargs)
+        if hasattr(self.model, "add_model_tags"):  # a PreTrainedModel or PeftModel (PPO's wrapper has none)
+            self.model.add_model_tags(list(self.tag_names))
         self.activation_offload_context = contextlib.nullcontext()
         if getattr(self.args, "activation_offloading", False):  # the configs refuse it without CUDA
             from trl.models.activation_offloading import get_act_offloading_ctx_manager

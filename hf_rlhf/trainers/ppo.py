@@ -110,6 +110,7 @@ class PPOTrainer(BaseTrainer):
     """
 
     config_class = PPOConfig
+    tag_names = ("hf_rlhf", "trl", "ppo")
     default_output_dir = "ppo-output"
     loss_is_scaled_for_ga = True  # compute_loss divides by the minibatch's token count (see get_batch_samples)
 

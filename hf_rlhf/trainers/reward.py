@@ -82,6 +82,7 @@ class RewardTrainer(BaseTrainer):
     """
 
     config_class = RewardConfig
+    tag_names = ("hf_rlhf", "trl", "reward-trainer")  # TRL's tags too
     default_output_dir = "reward-output"
     counts_tokens = True
     feature_columns = ("chosen_ids", "rejected_ids", "margin")  # what PairwiseCollator reads
@@ -92,6 +93,7 @@ class RewardTrainer(BaseTrainer):
                  optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
                  quantization_config=None, peft_config=None, *, model_config: ModelConfig | None = None, **kwargs):
         self.check_extra_kwargs(kwargs)
+        self.require_train_dataset(train_dataset)
         args = self.resolve_args(args)
         init_kwargs = {"num_labels": 1, **self.model_init_kwargs(model, args, quantization_config)}
         checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_preference_rows(d, args))

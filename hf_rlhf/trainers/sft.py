@@ -129,6 +129,7 @@ class SFTTrainer(BaseTrainer):
     """
 
     config_class = SFTConfig
+    tag_names = ("hf_rlhf", "trl", "sft")  # TRL's tags too: scripts and hub searches look for them
     default_output_dir = "sft-output"
     counts_tokens = True
     # columns the collators read; the Trainer's remove_unused_columns must keep them
@@ -140,6 +141,7 @@ class SFTTrainer(BaseTrainer):
                  preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None, formatting_func=None,
                  *, model_config: ModelConfig | None = None, **kwargs):
         self.check_extra_kwargs(kwargs)
+        self.require_train_dataset(train_dataset)
         args = self.resolve_args(args)
         if formatting_func is None and not args.skip_prepare_dataset:
             checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_sft_rows(d, args))
@@ -154,7 +156,8 @@ class SFTTrainer(BaseTrainer):
             ensure_pad_token(processing_class, args.pad_token)
         model = self.add_peft(model, model_config, args, peft_config)
         check_trainable(model)
-        set_router_aux_loss(model, args.router_aux_loss_coef)
+        # TRL's attribute: the MoE load-balancing loss is on (the model adds it to its loss)
+        self.aux_loss_enabled = set_router_aux_loss(model, args.router_aux_loss_coef)
         if args.loss_type == "dft":
             if compute_loss_func is not None:
                 raise ValueError("loss_type='dft' sets the loss; a compute_loss_func cannot be given with it "

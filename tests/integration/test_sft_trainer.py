@@ -253,3 +253,21 @@ def test_a_run_ending_between_logging_steps_logs_its_metrics_in_the_last_record(
                          train_dataset=train_rows, processing_class=tokenizer)
     trainer.train()
     assert "mean_token_accuracy" not in trainer.state.log_history[-1]
+
+
+def test_trl_checks_tags_and_aux_loss_flag(tmp_path, tokenizer, train_rows):
+    """TRL's: `train_dataset=None` refused at init, the trainer's tags on the model (LoRA too), `aux_loss_enabled`
+    (False for a dense model), a dataset with a transform refused with the way out."""
+    from peft import LoraConfig
+
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path), processing_class=tokenizer)
+    for peft_config in (None, LoraConfig(r=4, target_modules=["q_proj"])):
+        trainer = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path), train_dataset=train_rows,
+                             processing_class=tokenizer, peft_config=peft_config)
+        assert {"trl", "sft", "hf_rlhf"} <= set(trainer.model.model_tags)
+        assert trainer.aux_loss_enabled is False
+    transformed = sft_dataset(8, seed=0).with_transform(lambda batch: batch)
+    with pytest.raises(ValueError, match="with_transform.*skip_prepare_dataset"):
+        SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path), train_dataset=transformed,
+                   processing_class=tokenizer)
