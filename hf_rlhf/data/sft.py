@@ -7,6 +7,9 @@ Formats (TRL's names), detected from the columns:
     conversational                    {"messages": [{"role": "user", "content": "..."}, ...]}
     conversational_prompt_completion  {"prompt": [messages], "completion": [messages]}
 
+ShareGPT rows (`conversations` of `from` / `value` messages) are converted first (`data.chatml.to_chatml`, by the
+trainers). Conversational rows may carry `tools` and `chat_template_kwargs` for their chat template, as in TRL.
+
 Tokenized columns: `input_ids`; `completion_mask` (1 on completion tokens, prompt/completion formats);
 `assistant_masks` (1 on assistant tokens, when `assistant_only_loss`).
 """
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..configs import DataOptions, SFTDataOptions
+from .chatml import chat_template_row_kwargs
 from .tokenization import (
     check_chat_template,
     check_overlong_policy,
@@ -168,9 +172,11 @@ class _SFTTokenizeSpec:
     checks: dict | None = None   # streamed rows: validated here, just before tokenization
 
 
-def _tokenize_chat(tokenizer, messages, assistant_only_loss: bool, index: int, field: str) -> dict:
+def _tokenize_chat(tokenizer, messages, assistant_only_loss: bool, index: int, field: str,
+                   template_kwargs: dict | None = None) -> dict:
     out = tokenizer.apply_chat_template(
-        list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only_loss)
+        list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only_loss,
+        **(template_kwargs or {}))
     row = {"input_ids": list(out["input_ids"])}
     if assistant_only_loss:
         row["assistant_masks"] = list(out["assistant_masks"])
@@ -191,12 +197,15 @@ def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
     elif spec.fmt == "prompt_completion":
         out = tokenize_prompt_completion(tok, row["prompt"], row["completion"], spec.prefix, spec.eos_id)
     elif spec.fmt == "conversational":
-        out = _tokenize_chat(tok, row["messages"], spec.assistant_only_loss, index, "messages")
+        out = _tokenize_chat(tok, row["messages"], spec.assistant_only_loss, index, "messages",
+                             chat_template_row_kwargs(row))
     else:  # conversational_prompt_completion
+        template_kwargs = chat_template_row_kwargs(row)
         prompt_ids = tok.apply_chat_template(
-            list(row["prompt"]), tokenize=True, return_dict=True, add_generation_prompt=True)["input_ids"]
+            list(row["prompt"]), tokenize=True, return_dict=True, add_generation_prompt=True,
+            **template_kwargs)["input_ids"]
         out = _tokenize_chat(tok, list(row["prompt"]) + list(row["completion"]), spec.assistant_only_loss,
-                             index, "completion")
+                             index, "completion", template_kwargs)
         if out["input_ids"][: len(prompt_ids)] != list(prompt_ids):
             raise DataValidationError(
                 index, "prompt", "the chat template to render the prompt (with add_generation_prompt=True) as a "

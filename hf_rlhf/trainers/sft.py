@@ -26,6 +26,7 @@ from ..data import (
     prepare_sft_dataset,
     resolve_chat_template,
 )
+from ..data.chatml import to_chatml
 from ..data.streaming import check_streamed_training, first_rows, is_streamed, stream_columns
 from ..losses import dft_compute_loss_func
 from ..models import check_trainable, resolve_model, set_router_aux_loss
@@ -144,6 +145,7 @@ class SFTTrainer(BaseTrainer):
         self.require_train_dataset(train_dataset)
         args = self.resolve_args(args)
         if formatting_func is None and not args.skip_prepare_dataset:
+            train_dataset, eval_dataset = to_chatml(train_dataset), to_chatml(eval_dataset)  # ShareGPT rows, as TRL
             checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_sft_rows(d, args))
         else:  # rows become text only once formatted; skipped datasets go to the collator as they are
             checked = set()
@@ -211,6 +213,8 @@ class SFTTrainer(BaseTrainer):
             return dataset
         if self.formatting_func is not None:
             dataset = apply_formatting_func(dataset, self.formatting_func, args.dataset_text_field)
+        else:
+            dataset = to_chatml(dataset)
         packing = args.packing if args.eval_packing is None else args.eval_packing
         return self._prepare(dataset, self.processing_class, args, name, packing=packing)
 

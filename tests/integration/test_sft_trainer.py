@@ -271,3 +271,19 @@ def test_trl_checks_tags_and_aux_loss_flag(tmp_path, tokenizer, train_rows):
     with pytest.raises(ValueError, match="with_transform.*skip_prepare_dataset"):
         SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path), train_dataset=transformed,
                    processing_class=tokenizer)
+
+
+def test_sharegpt_rows_train_as_their_chatml_rows(tmp_path, tokenizer):
+    """As TRL: `conversations` of `from` / `value` messages are converted to `messages` before anything else, for
+    training and for a dataset passed to `evaluate`."""
+    from datasets import Dataset
+
+    chatml = sft_dataset(8, seed=2, format="messages")
+    sharegpt = Dataset.from_list([{"conversations": [{"from": m["role"], "value": m["content"]} for m in row["messages"]]}
+                                  for row in chatml])
+    args = make_args(tmp_path, max_steps=1, per_device_eval_batch_size=4)
+    ours = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=args, train_dataset=sharegpt, processing_class=tokenizer)
+    theirs = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=args, train_dataset=chatml, processing_class=tokenizer)
+    assert ours.train_dataset["input_ids"] == theirs.train_dataset["input_ids"]
+    assert ours.evaluate(eval_dataset=sharegpt)["eval_loss"] == pytest.approx(
+        ours.evaluate(eval_dataset=chatml)["eval_loss"], abs=1e-6)

@@ -500,3 +500,42 @@ def test_main_process_goes_first_only_for_cached_datasets(tmp_path):
     with main_process_first_if_cached(args, on_disk, "train dataset tokenization"):
         pass
     assert args.calls == ["train dataset tokenization"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# ShareGPT rows and per-row chat template arguments (as TRL)
+
+
+def test_sharegpt_rows_prepare_exactly_as_their_chatml_rows(tokenizer):
+    from hf_rlhf.data.chatml import to_chatml
+
+    chatml = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+              {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    sharegpt = Dataset.from_list([{"conversations": [{"from": m["role"], "value": m["content"]} for m in r["messages"]]}
+                                  for r in chatml])
+    converted = to_chatml(sharegpt)
+    assert converted.column_names == ["messages"]
+    expected = prepare_sft_dataset(Dataset.from_list(chatml), tokenizer, sft_args())
+    assert prepare_sft_dataset(converted, tokenizer, sft_args())["input_ids"] == expected["input_ids"]
+    plain = Dataset.from_list(chatml)
+    assert to_chatml(plain) is plain and to_chatml(None) is None
+    # preference columns too (TRL converts prompt / chosen / rejected messages)
+    pairs = to_chatml(Dataset.from_list([{"chosen": [{"from": "user", "value": "a"}],
+                                          "rejected": [{"from": "user", "value": "b"}]}]))
+    assert pairs[0]["chosen"] == [{"role": "user", "content": "a"}]
+
+
+def test_row_chat_template_kwargs_and_tools_reach_the_template():
+    template = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+                "{% if shout %}!{% endif %}|{% endfor %}{% if tools %}tools={{ tools | length }}{% endif %}")
+    tok = build_tokenizer(chat_template=template, bos=False)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    rows = Dataset.from_list([
+        {"messages": messages, "chat_template_kwargs": {"shout": True}, "tools": None},
+        {"messages": messages, "chat_template_kwargs": {"shout": None},
+         "tools": '[{"type": "function", "function": {"name": "f"}}]'},
+    ])
+    ids = prepare_sft_dataset(rows, tok, sft_args())["input_ids"]
+    texts = [tok.decode(row) for row in ids]
+    assert texts[0] == "user: hi!|assistant: yo!|"
+    assert texts[1] == "user: hi|assistant: yo|tools=1"
