@@ -217,6 +217,20 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         return self.rollout_batch_size // self.num_generations
 
     @property
+    def old_logprobs_in_loss(self) -> bool:
+        """True when the rollout makes no policy forward: the loss's own log-probs, detached, are the old ones (TRL's
+        GRPO does the same when each generation gets one optimizer step), and the KL / entropy statistics come from
+        that forward too.
+
+        Exact when: each rollout gets one optimizer step (one minibatch, one epoch: the loss sees the rollout's
+        weights), no value function is trained (GAE needs the rollout's values), dropout is off (rollout and loss
+        then compute alike), the KL does not enter the rewards (`kl_in_loss`, or β = 0) and β is fixed (the adaptive
+        controller reads the rollout's KL before that step).
+        """
+        return (self.critic_free and self.steps_per_rollout == 1 and self.disable_dropout
+                and self.kl_target is None and (self.kl_in_loss or self.kl_coef == 0))
+
+    @property
     def steps_per_rollout(self) -> int:
         """Optimizer steps made from one rollout."""
         return self.num_mini_batches * self.num_ppo_epochs
