@@ -71,7 +71,9 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             with `store_reward_stats=True`). reward_clip: clip normalised scores to [-c, c].
         Order: normalise, clip, then subtract `missing_eos_penalty`.
     KL:
-        kl_coef: β (the initial value when adaptive). kl_estimator: k1, k2 or k3 (`hf_rlhf.ppo.kl_penalty`).
+        kl_coef: β (the initial value when adaptive). 0 with no `kl_target`: no reference is built or run and the
+            KL is not logged (`uses_reference`; TRL's GRPO default, beta=0). kl_estimator: k1, k2 or k3
+            (`hf_rlhf.ppo.kl_penalty`).
         kl_clamp: bound of each token's k3 estimate (default 10, as OpenRLHF and verl; None: unclamped).
         kl_target: None for a fixed β; else the target KL (per sequence, summed over tokens) of the adaptive
             controller (Ziegler et al. 2019), with `kl_horizon`.
@@ -215,6 +217,13 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     def prompts_per_rollout(self) -> int:
         """Prompts per rollout per device (each sampled `num_generations` times)."""
         return self.rollout_batch_size // self.num_generations
+
+    @property
+    def uses_reference(self) -> bool:
+        """False when β is fixed at 0: the KL is then in no reward and no loss, so no reference is built (no frozen
+        copy, no adapters-off forward) and the KL is not logged, as TRL's GRPO with `beta=0`. Set a small `kl_coef`
+        (or a `kl_target`) to train against, and monitor, a reference."""
+        return self.kl_target is not None or self.kl_coef != 0
 
     @property
     def old_logprobs_in_loss(self) -> bool:

@@ -28,6 +28,7 @@ ROLLOUT_METRICS = ("objective/kl", "objective/entropy", "objective/non_score_rew
                    "objective/scores", "objective/raw_scores")
 # what needs the rollout-time policy log-probs: computed by the loss instead when `args.old_logprobs_in_loss`
 POLICY_METRICS = ROLLOUT_METRICS[:4]
+KL_METRICS = ("objective/kl", "objective/non_score_reward")  # not logged without a reference (β fixed at 0)
 
 
 def stop_token_id_of(args, tokenizer) -> int | None:
@@ -97,7 +98,7 @@ class RolloutMaker:
                                                                response_mask, policy=not args.old_logprobs_in_loss)
 
         # step 6. per-token KL, score shaping, then the estimator's rewards and advantages (GAE, GRPO, ...)
-        if args.old_logprobs_in_loss:  # the KL enters no reward (kl_in_loss, or β = 0): the loss computes it
+        if args.old_logprobs_in_loss or not args.uses_reference:  # no KL in the rewards (the loss computes it)
             kl = torch.zeros_like(ref_logprobs)
         else:
             kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
@@ -178,6 +179,9 @@ class RolloutMaker:
             else:
                 logprobs.append(torch.zeros(part[2].shape, device=part[2].device))
                 values.append(torch.zeros_like(logprobs[-1]))
+            if not args.uses_reference:  # β fixed at 0: no reference forward (its log-probs stay 0, never read)
+                ref_logprobs.append(torch.zeros(part[2].shape, device=part[2].device))
+                continue
             ref_logits = self._reference_logits(model.policy, part)
             ref_logprobs.append(logprobs_from_logits(ref_logits, part[2]))
         return torch.cat(logprobs), torch.cat(values), torch.cat(ref_logprobs)
@@ -216,6 +220,8 @@ class RolloutMaker:
         stats = dict(zip(ROLLOUT_METRICS, means.tolist()))
         if self.args.old_logprobs_in_loss:  # no rollout-time policy log-probs: the loss logs these
             stats = {name: value for name, value in stats.items() if name not in POLICY_METRICS}
+        if not self.args.uses_reference:
+            stats = {name: value for name, value in stats.items() if name not in KL_METRICS}
         stats["objective/kl_coef"] = float(kl_coef)  # the same on every rank
         stats["val/num_eos_tokens"] = num_stopped.item()
         if self.stop_token_id is not None and stats["val/num_eos_tokens"] == 0 and not self._warned_no_stop:

@@ -23,6 +23,7 @@ file written into it.
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +41,15 @@ from ..ppo.kl import kl_penalty, sequence_policy_stats
 from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator, validate_prompt_dataset
 from ..ppo.losses import policy_loss_per_token, value_loss
 from ..ppo.policy_value import PolicyAndValue, response_logits
-from ..ppo.rollout import RolloutMaker
+from ..ppo.rollout import KL_METRICS, RolloutMaker
 from ..ppo.value_adapter import add_value_adapter, resolve_value_adapter
 from ..reward_models import disable_dropout, unwrap_peft
 from ..rewards.factory import build_reward_source
 from ..rewards.model import ModelReward
 from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
 from .base import BaseTrainer
+
+logger = logging.getLogger("hf_rlhf")
 
 
 def _reference_copy(policy):
@@ -174,7 +177,12 @@ class PPOTrainer(BaseTrainer):
     @staticmethod
     def _build_models(policy, value_model, ref_model, args):
         """(PolicyAndValue, reference or None): the frozen reference copy, the value function, dropout off."""
-        if isinstance(ref_model, str):
+        if not args.uses_reference:  # β fixed at 0: the KL is used nowhere, so no reference (as TRL's GRPO, beta=0)
+            if ref_model is not None:
+                logger.warning("ref_model is not used: kl_coef=0 with no kl_target puts no KL in the rewards or the "
+                               "loss. Set kl_coef > 0 (or kl_target) to train against it.")
+            ref_model = None
+        elif isinstance(ref_model, str):
             ref_model = load_model(ModelConfig(model_name_or_path=ref_model))
         elif ref_model is None and unwrap_peft(policy) is policy:  # a PeftModel's reference is its adapters off
             ref_model = _reference_copy(policy)  # kept outside the trained module: never checkpointed
@@ -294,7 +302,7 @@ class PPOTrainer(BaseTrainer):
         per_token_pg, pg_stats = policy_loss_per_token(logprobs, old_logprobs, exp.advantages, mask,
                                                        args.cliprange)
         per_token_loss, sums = per_token_pg, {"loss/policy_avg": masked_sum(per_token_pg.detach(), mask)}
-        if args.kl_in_loss:  # GRPO: β·KL per token, β the rollout's (the controller's value when it was made)
+        if args.kl_in_loss and args.uses_reference:  # GRPO: β·KL per token, β the rollout's (the controller's)
             kl = kl_penalty(logprobs, exp.ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
             per_token_loss = per_token_pg + inputs["rollout_stats"]["objective/kl_coef"] * kl
             sums["loss/kl_avg"] = masked_sum(kl.detach(), mask)
@@ -323,7 +331,8 @@ class PPOTrainer(BaseTrainer):
             token_kl = kl_penalty(detached, exp.ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
             beta = inputs["rollout_stats"]["objective/kl_coef"]
             for name, value in sequence_policy_stats(token_kl, detached, exp.scores, mask, beta).items():
-                metrics.add(name, value.sum(), float(value.numel()))
+                if args.uses_reference or name not in KL_METRICS:
+                    metrics.add(name, value.sum(), float(value.numel()))
         if ptx_logits is not None:
             labels = inputs["ptx_labels"][:, 1:]
             ptx_loss = F.cross_entropy(ptx_logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
