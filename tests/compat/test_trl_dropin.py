@@ -191,3 +191,36 @@ def test_reward(tmp_path, tokenizer, model_dirs):
 def test_reward_streamed(tmp_path, tokenizer, model_dirs):
     run_both(reward_script, tmp_path, model_dirs["rm"], tokenizer,
              streamed(preference_dataset(24, seed=0), tmp_path, "pairs"), preference_dataset(8, seed=1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# DPO: every loss type TRL 1.16 takes, the reference a frozen copy of the policy (TRL's for a model path)
+
+
+def dpo_script(lib, model_path, tokenizer, train, evaluation, output_dir, **config):
+    seed_everything()
+    args = lib.DPOConfig(**{**config_kwargs(output_dir), "max_length": 64, **config})
+    trainer = lib.DPOTrainer(model=model_path, args=args, train_dataset=train, eval_dataset=evaluation,
+                             processing_class=tokenizer)
+    trainer.train()
+    return trainer.state.log_history
+
+
+DPO_CASES = [{"loss_type": t} for t in ("sigmoid", "hinge", "ipo", "nca_pair", "robust", "bco_pair", "sppo_hard",
+                                        "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
+                                        "sigmoid_norm")] + [
+    {"loss_type": "exo_pair", "label_smoothing": 1e-3},
+    {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "beta": 0.5, "label_smoothing": 0.1},
+    {"loss_type": "sigmoid", "precompute_ref_log_probs": True},
+    {"loss_type": "sigmoid", "use_weighting": True, "ld_alpha": 0.5, "f_divergence_type": "js_divergence"},
+]
+FAST_DPO = ({"loss_type": "sigmoid"}, {"loss_type": "ipo"})
+
+
+@pytest.mark.parametrize("config", [c if c in FAST_DPO else pytest.param(c, marks=pytest.mark.slow) for c in DPO_CASES],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_dpo(tmp_path, tokenizer, model_dirs, config):
+    pairs = preference_dataset(16, seed=1)
+    held_out = preference_dataset(8, seed=2)
+    gap = run_both(dpo_script, tmp_path, model_dirs["lm"], tokenizer, pairs, held_out, **config)
+    print(f"DPO {config}: max |loss diff| {gap:.2e}")
