@@ -115,3 +115,20 @@ def test_recipe_documented_command(tmp_path, tiny_model_dir):
         assert 0.0 <= saved[when]["exact_match"] <= 1.0 and "rewards/accuracies" in saved[when]
     assert saved["after"] == results["after"]
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
+
+
+def test_qlora_policy_reference_is_the_4bit_base_with_adapters_off(tmp_path, tiny_model_dir, tokenizer):
+    bnb = pytest.importorskip("bitsandbytes")
+    from hf_rlhf import ModelConfig
+
+    config = ModelConfig(model_name_or_path=str(tiny_model_dir), use_peft=True, load_in_4bit=True, lora_r=4,
+                         lora_target_modules=["q_proj", "v_proj"])
+    trainer = DPOTrainer(str(tiny_model_dir), args=args(tmp_path), train_dataset=preference_dataset(16, seed=1),
+                         processing_class=tokenizer, model_config=config)
+    assert trainer.ref_model is None and any(isinstance(m, bnb.nn.Linear4bit) for m in trainer.model.modules())
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs[0]["loss"] == pytest.approx(0.693147, abs=1e-4)  # adapters start at identity: policy == reference
+    changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed and all("lora_" in n for n in changed)
