@@ -535,7 +535,9 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
 
     Data: `max_length` (prompt + completion, per sequence), `truncation_mode` (`keep_start`, `keep_end`),
         `dataset_num_proc`, `pad_to_multiple_of`, `pad_token`, `chat_template_path`; `padding_free=True` is refused
-        (this trainer's DPO batches are padded, as TRL's default).
+        (not implemented). Batches are TRL's padded chosen‖rejected rows, or with `prefix_sharing` one row per pair
+        [prompt | chosen | rejected] whose prompt is computed once (`collators.dpo`; same log-probs; sdpa or eager
+        attention; `packing_check` refuses a model on which it is not exact).
     Reference: `precompute_ref_log_probs` (computed once before training, stored with the dataset and in
         `output_dir/ref_logps/`, reused on resume), `precompute_ref_batch_size`. Reference-free losses (`simpo`, `orpo`,
         `sft` alone) use no reference model.
@@ -557,6 +559,11 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         default="keep_start", metadata={"help": "Sequences over max_length: keep_start or keep_end.",
                                         "choices": ["keep_start", "keep_end"]})
     padding_free: bool = field(default=False, metadata={"help": "Padding-free batches (refused: not implemented)."})
+    prefix_sharing: bool = field(
+        default=False, metadata={"help": "One row per pair [prompt | chosen | rejected], the prompt computed once "
+                                         "(sdpa/eager; keep_start truncation)."})
+    packing_check: bool = field(
+        default=True, metadata={"help": "Check that prefix_sharing is exact on the model before training (a few ms)."})
     pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": PAD_TO_MULTIPLE_OF_HELP})
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "Compute the reference log-probs once before training and store them."})
@@ -613,6 +620,9 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         if self.padding_free:
             raise ValueError("DPOConfig.padding_free=True: DPOTrainer builds padded chosen‖rejected batches (TRL's "
                              "default layout); padding-free DPO batches are not implemented. Set padding_free=False.")
+        if self.prefix_sharing and self.truncation_mode != "keep_start":
+            raise ValueError("DPOConfig.prefix_sharing=True keeps one prompt for both completions, so it truncates "
+                             "with truncation_mode='keep_start' only.")
         if self.sync_ref_model:
             raise ValueError("DPOConfig.sync_ref_model=True (TR-DPO) is not implemented: the reference stays frozen. "
                              "Set sync_ref_model=False.")

@@ -193,7 +193,7 @@ def combined_loss(loss_types, loss_weights, *args, pair_weights: torch.Tensor | 
 
 def completion_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor,
                      ld_alpha: float | None = None) -> dict[str, torch.Tensor]:
-    """Summed completion log-probs of each sequence, and the per-token statistics TRL logs.
+    """Summed completion log-probs of each sequence of a padded batch, and the per-token statistics TRL logs.
 
     Args:
         logits: (N, T, V) causal LM logits of `input_ids` (the logit at t predicts token t + 1).
@@ -203,14 +203,45 @@ def completion_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_m
             rejected ones, tokens past the shorter completion of a pair weigh `ld_alpha`; None: plain sums.
 
     Returns:
-        {"logps": (N,), "token_logps": (N, T-1) masked per-token log-probs, "mask": (N, T-1) float,
-         "lengths": (N,), "entropy": (N, T-1), "mean_logits": (N, T-1), "is_top1": (N, T-1) bool}.
-        TRL 1.16 dpo_trainer.py:1300-1320 (the fused LM head's `log_probs`, `entropy`, `mean_logits`, `is_top1`).
+        See `token_statistics`, with L = T - 1. TRL 1.16 dpo_trainer.py:1300-1320 (the fused LM head's
+        `log_probs`, `entropy`, `mean_logits`, `is_top1`).
     """
-    logits = logits[:, :-1]
+    return token_statistics(logits[:, :-1], input_ids[:, 1:], completion_mask[:, 1:], ld_alpha)
+
+
+def gathered_completion_logps(logits: torch.Tensor, row_index: torch.Tensor, logit_index: torch.Tensor,
+                              target_ids: torch.Tensor, gather_mask: torch.Tensor,
+                              ld_alpha: float | None = None) -> dict[str, torch.Tensor]:
+    """`completion_logps` of sequences laid out several to a row (prefix sharing,
+    `collators.dpo.PrefixSharedPreferenceCollator`): sequence i's completion token j is predicted by
+    `logits[row_index[i], logit_index[i, j]]`.
+
+    Args:
+        logits: (R, T, V). row_index: (N,). logit_index, target_ids, gather_mask: (N, L).
+
+    Returns:
+        See `token_statistics`.
+    """
+    selected = logits[row_index.unsqueeze(1), logit_index]  # (N, L, V)
+    return token_statistics(selected, target_ids, gather_mask, ld_alpha)
+
+
+def token_statistics(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
+                     ld_alpha: float | None = None) -> dict[str, torch.Tensor]:
+    """Per-sequence completion log-probs and per-token statistics from the logits that predict each token.
+
+    Args:
+        logits: (N, L, V), the logit predicting `target[:, l]` at l.
+        target: (N, L) token ids.
+        mask: (N, L) 1 where the token is a completion token to score.
+        ld_alpha: see `completion_logps`.
+
+    Returns:
+        {"logps": (N,), "token_logps": (N, L) masked, "mask": (N, L) float, "lengths": (N,), "entropy": (N, L),
+         "mean_logits": (N, L), "is_top1": (N, L) bool, "log_sum_sq_probs": (N, L)}.
+    """
     logits = logits if logits.dtype == torch.float64 else logits.float()  # log-softmax in fp32 at least
-    target = input_ids[:, 1:]
-    mask = completion_mask[:, 1:].to(logits.dtype)
+    mask = mask.to(logits.dtype)
     logprobs_all = logits.log_softmax(-1)
     token_logps = torch.gather(logprobs_all, -1, target.unsqueeze(-1)).squeeze(-1) * mask
     if ld_alpha is None:

@@ -27,17 +27,27 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from ..adapters import adapter_scope
+from ..collators.dpo import PrefixSharedPreferenceCollator
 from ..configs import DPOConfig, ModelConfig
 from ..data import ensure_pad_token, main_process_first_if_cached
 from ..data.dpo import check_dpo_rows, prepare_dpo_dataset
 from ..models import check_trainable, resolve_model
-from ..preference_losses import REFERENCE_FREE_LOSS_TYPES, combined_loss, completion_logps, needs_reference, wpo_weights
-from ..reward_models import disable_dropout
+from ..packing_check import check_packing_exact
+from ..preference_losses import (
+    REFERENCE_FREE_LOSS_TYPES,
+    combined_loss,
+    completion_logps,
+    gathered_completion_logps,
+    needs_reference,
+    wpo_weights,
+)
+from ..reward_models import disable_dropout, reward_config_of
 from .base import BaseTrainer
 
 logger = logging.getLogger("hf_rlhf")
 
-_NON_MODEL_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
+_NON_MODEL_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps", "row_index", "logit_index",
+                   "target_ids", "gather_mask", "sequence_lengths")
 
 
 class DPOTrainer(BaseTrainer):
@@ -99,8 +109,14 @@ class DPOTrainer(BaseTrainer):
         if ref_model is model:
             raise ValueError("ref_model is the policy model itself; pass a separate copy, or None for a frozen copy.")
 
+        attn = getattr(reward_config_of(model), "_attn_implementation", None)
+        if args.prefix_sharing and attn not in ("sdpa", "eager"):
+            raise ValueError(f"prefix_sharing needs a custom attention mask, which {attn!r} attention does not take; "
+                             "use attn_implementation='sdpa' or 'eager'.")
         model = self.add_peft(model, model_config, args, peft_config, task_type="CAUSAL_LM")
         check_trainable(model)
+        if args.prefix_sharing and args.packing_check:  # refuse a model on which the layout is not exact
+            check_packing_exact(model, "prefix_sharing", args.max_length)
         if args.disable_dropout:
             disable_dropout(model)
         if ref_model is not None:
@@ -114,7 +130,10 @@ class DPOTrainer(BaseTrainer):
             eval_dataset = {k: prepare(v, f"eval_{k}") for k, v in eval_dataset.items()}
         else:
             eval_dataset = prepare(eval_dataset, "eval")
-        if data_collator is None:
+        if data_collator is None and args.prefix_sharing:
+            data_collator = PrefixSharedPreferenceCollator(processing_class.pad_token_id, args.max_length,
+                                                           args.pad_to_multiple_of)
+        elif data_collator is None:
             data_collator = DataCollatorForPreference(
                 pad_token_id=processing_class.pad_token_id, max_length=args.max_length,
                 truncation_mode=args.truncation_mode, pad_to_multiple_of=args.pad_to_multiple_of)
@@ -124,6 +143,7 @@ class DPOTrainer(BaseTrainer):
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         self.label_names = []  # no labels: the loss is the model's own
         self.uses_reference = uses_reference
+        self._eager = attn == "eager"
         self.ref_model = None
         if ref_model is not None:
             if self.is_deepspeed_enabled:
@@ -151,15 +171,32 @@ class DPOTrainer(BaseTrainer):
         return prepared
 
     # -- reference log-probs -------------------------------------------------------------------
+    def _model_inputs(self, inputs: dict) -> dict:
+        model_inputs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
+        model_inputs["use_cache"] = False
+        mask = model_inputs.get("attention_mask")
+        if mask is not None and mask.ndim == 4 and self._eager:
+            # eager attention adds the mask to its scores: the prefix-sharing boolean mask becomes 0 / -inf-like
+            model_inputs["attention_mask"] = torch.zeros(mask.shape, device=mask.device).masked_fill(
+                ~mask, torch.finfo(torch.float32).min)
+        return model_inputs
+
+    def _statistics(self, logits: torch.Tensor, inputs: dict) -> dict:
+        """Per-sequence completion log-probs (chosen rows, then rejected) and token statistics of either layout."""
+        if "logit_index" in inputs:  # prefix sharing
+            return gathered_completion_logps(logits, inputs["row_index"], inputs["logit_index"],
+                                             inputs["target_ids"], inputs["gather_mask"], self.args.ld_alpha)
+        return completion_logps(logits, inputs["input_ids"], inputs["completion_mask"], self.args.ld_alpha)
+
     @torch.no_grad()
-    def _reference_logps(self, model_inputs: dict, completion_mask: torch.Tensor):
+    def _reference_logps(self, model_inputs: dict, inputs: dict):
         """(chosen (B,), rejected (B,)) summed completion log-probs under the reference."""
         if self.ref_model is not None:
             logits = self.ref_model(**model_inputs).logits
         else:  # a peft policy: the base with every adapter off
             with adapter_scope(self.accelerator.unwrap_model(self.model), None):
                 logits = self.model(**model_inputs).logits
-        return completion_logps(logits, model_inputs["input_ids"], completion_mask, self.args.ld_alpha)["logps"].chunk(2)
+        return self._statistics(logits, inputs)["logps"].chunk(2)
 
     def _with_ref_logps(self, dataset, name: str, batch_size: int):
         """`dataset` with `ref_chosen_logps` / `ref_rejected_logps` columns, read from `output_dir/ref_logps/` when a
@@ -179,9 +216,7 @@ class DPOTrainer(BaseTrainer):
             chosen, rejected = [], []
             for batch in loader:
                 batch = self._prepare_inputs(batch)
-                model_inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-                                "use_cache": False}
-                c, r = self._reference_logps(model_inputs, batch["completion_mask"])
+                c, r = self._reference_logps(self._model_inputs(batch), batch)
                 chosen.append(c.float().cpu())
                 rejected.append(r.float().cpu())
             self.model.train(was_training)
@@ -198,11 +233,9 @@ class DPOTrainer(BaseTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
         mode = "train" if self.model.training else "eval"
-        completion_mask = inputs["completion_mask"]
-        model_inputs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
-        model_inputs["use_cache"] = False
+        model_inputs = self._model_inputs(inputs)
         outputs = model(**model_inputs)
-        stats = completion_logps(outputs.logits, inputs["input_ids"], completion_mask, args.ld_alpha)
+        stats = self._statistics(outputs.logits, inputs)
         chosen, rejected = stats["logps"].chunk(2)
         chosen_len, rejected_len = stats["lengths"].chunk(2)
         ref_chosen = ref_rejected = None
@@ -210,7 +243,7 @@ class DPOTrainer(BaseTrainer):
             if "ref_chosen_logps" in inputs:
                 ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
             else:
-                ref_chosen, ref_rejected = self._reference_logps(model_inputs, completion_mask)
+                ref_chosen, ref_rejected = self._reference_logps(model_inputs, inputs)
         pair_weights = None
         if args.use_weighting:
             w_chosen, w_rejected = wpo_weights(stats["token_logps"], stats["log_sum_sq_probs"], stats["mask"]).chunk(2)
@@ -232,7 +265,8 @@ class DPOTrainer(BaseTrainer):
         n_pairs = chosen.shape[0]
         metrics.add("entropy", (stats["entropy"] * mask).sum(), mask.sum())
         if mode == "train":
-            metrics.add("num_tokens", inputs["attention_mask"].sum(), 0)
+            tokens = inputs["sequence_lengths"].sum() if "sequence_lengths" in inputs else inputs["attention_mask"].sum()
+            metrics.add("num_tokens", tokens, 0)  # each sequence's real tokens, as in TRL's padded layout
         chosen_mean_logits, rejected_mean_logits = stats["mean_logits"].chunk(2)
         metrics.add("logits/chosen", (chosen_mean_logits * chosen_mask).sum(), chosen_mask.sum())
         metrics.add("logits/rejected", (rejected_mean_logits * rejected_mask).sum(), rejected_mask.sum())
