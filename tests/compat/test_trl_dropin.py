@@ -238,3 +238,18 @@ def test_dpo_lora(tmp_path, tokenizer, model_dirs):
     gap = run_both(dpo_script, tmp_path, model_dirs["lm"], tokenizer, pairs, preference_dataset(8, seed=2),
                    relative=True, peft_config=lora)
     print(f"DPO LoRA: max |loss diff| {gap:.2e}")
+
+
+@pytest.mark.parametrize("prompt", ["explicit", "implicit"])
+def test_dpo_conversational(tmp_path, tokenizer, model_dirs, prompt):
+    """Conversational pairs through the chat template, with the prompt as a column or inside both sides (TRL
+    extracts it as the common prefix)."""
+    def rows(n, seed):
+        data = preference_dataset(n, seed=seed, conversational=True)
+        if prompt == "implicit":
+            data = Dataset.from_dict({"chosen": [p + c for p, c in zip(data["prompt"], data["chosen"])],
+                                      "rejected": [p + r for p, r in zip(data["prompt"], data["rejected"])]})
+        return data
+
+    gap = run_both(dpo_script, tmp_path, model_dirs["lm"], tokenizer, rows(16, 1), rows(8, 2), relative=True)
+    print(f"DPO conversational {prompt} prompt: max |loss diff| {gap:.2e}")
