@@ -10,7 +10,7 @@ import torch
 import trl
 from transformers import HfArgumentParser, TrainingArguments
 
-from hf_rlhf import ModelConfig, RewardConfig, SFTConfig
+from hf_rlhf import DPOConfig, ModelConfig, RewardConfig, SFTConfig
 from hf_rlhf.config_checks import RENAMED, check_field_types
 from hf_rlhf.configs import DataOptions, PreferenceDataOptions, SFTDataOptions
 from hf_rlhf.losses import dft_loss
@@ -60,7 +60,35 @@ REWARD_VALUES = {
     "activation_offloading": (True, "ok" if CUDA else "RewardConfig.activation_offloading=True moves activations"),
     "pad_token": ("<pad>", "ok"),
 }
-PAIRS = [(trl.SFTConfig, SFTConfig, SFT_VALUES), (trl.RewardConfig, RewardConfig, REWARD_VALUES)]
+DPO_VALUES = {
+    "model_init_kwargs": ({"dtype": "bfloat16"}, "ok"),
+    "trust_remote_code": (True, "ok"),
+    "router_aux_loss_coef": (0.001, "DPOConfig.router_aux_loss_coef: the MoE router auxiliary loss is not added"),
+    "disable_dropout": (False, "ok"),
+    "dataset_num_proc": (2, "ok"),
+    "max_length": (512, "ok"),
+    "truncation_mode": ("keep_end", "ok"),
+    "padding_free": (True, "DPOConfig.padding_free=True: DPOTrainer builds padded"),
+    "pad_to_multiple_of": (8, "ok"),
+    "precompute_ref_log_probs": (True, "ok"),
+    "precompute_ref_batch_size": (16, "ok"),
+    "loss_type": (["sigmoid", "bco_pair", "sft"], "ok"),
+    "loss_weights": ([1.0], "ok"),
+    "ld_alpha": (0.5, "ok"),
+    "f_divergence_type": ("alpha_divergence", "ok"),
+    "f_alpha_divergence_coef": (0.3, "ok"),
+    "label_smoothing": (0.1, "ok"),
+    "beta": (0.5, "ok"),
+    "use_weighting": (True, "ok"),
+    "discopop_tau": (0.1, "ok"),
+    "activation_offloading": (True, "ok" if CUDA else "DPOConfig.activation_offloading=True moves activations"),
+    "sync_ref_model": (True, "DPOConfig.sync_ref_model=True"),
+    "ref_model_mixup_alpha": (0.5, "ok"),
+    "ref_model_sync_steps": (64, "ok"),
+    "pad_token": ("<pad>", "ok"),
+}
+PAIRS = [(trl.SFTConfig, SFTConfig, SFT_VALUES), (trl.RewardConfig, RewardConfig, REWARD_VALUES),
+         (trl.DPOConfig, DPOConfig, DPO_VALUES)]
 
 
 def trl_fields(trl_cls):
@@ -96,6 +124,17 @@ def test_documented_values_are_accepted_or_refused_with_a_reason(tmp_path, trl_c
     print(f"{trl_cls.__name__}: {accepted} of {len(values)} TRL fields accepted; refused: {refused}")
 
 
+def test_dpo_loss_options(tmp_path):
+    assert DPOConfig(output_dir=str(tmp_path), loss_type="ipo").loss_type == ["ipo"]  # a name, as TRL
+    assert DPOConfig(output_dir=str(tmp_path), loss_type="sigmoid,sft").loss_type == ["sigmoid", "sft"]  # CLI
+    for bad, message in (({"loss_type": "dpo"}, "DPOConfig.loss_type=\\['dpo'\\]; expected one or more of"),
+                         ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, "has 1 weights for 2 loss types"),
+                         ({"loss_type": "exo_pair"}, "takes log\\(label_smoothing\\)"),
+                         ({"beta": 0.0}, "beta must be > 0"), ({"label_smoothing": 0.5}, "label_smoothing must be in")):
+        with pytest.raises(ValueError, match=message):
+            DPOConfig(output_dir=str(tmp_path), **bad)
+
+
 def test_trl_spellings_are_converted_as_trl_does(tmp_path):
     args = SFTConfig(output_dir=str(tmp_path), pad_to_multiple_of="auto", loss_type="chunked_nll",
                      packing_strategy="bfd-requeue", model_init_kwargs='{"dtype": "bfloat16"}',
@@ -112,7 +151,7 @@ def test_trl_spellings_are_converted_as_trl_does(tmp_path):
 
 # -- types ---------------------------------------------------------------------------------------------
 
-CONFIGS = [(SFTConfig, True), (RewardConfig, True), (PPOConfig, True), (ModelConfig, False), (DataOptions, False),
+CONFIGS = [(SFTConfig, True), (RewardConfig, True), (DPOConfig, True), (PPOConfig, True), (ModelConfig, False), (DataOptions, False),
            (SFTDataOptions, False), (PreferenceDataOptions, False)]
 
 
