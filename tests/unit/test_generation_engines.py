@@ -75,3 +75,17 @@ def test_unknown_backend_and_unsupported_model_are_refused_by_name(tmp_path, tin
     finally:
         del tiny_model._can_compile_fullgraph
     build_engine("static").check_model(tiny_model)
+
+
+def test_static_cache_on_a_lora_policy_equals_generate(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build_toy_model(tokenizer, "tiny", seed=0),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
+    ids, mask = _prompts(tokenizer)
+    static = build_engine("static", compile=False)
+    static.check_model(model)  # looks through the peft wrapper
+    with_adapter = _generate(static, model, tokenizer, ids, mask)
+    assert torch.equal(with_adapter, _generate(build_engine("generate"), model, tokenizer, ids, mask))
+    with model.disable_adapter():
+        assert not torch.equal(_generate(static, model, tokenizer, ids, mask), with_adapter)  # the adapter is used
