@@ -66,7 +66,12 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             decoding forward compiled (`torch.compile`), prompts left-padded to multiples of 32 columns so a new
             prompt length reuses its bucket's graph; it pays a one-off compile per (batch, bucket) shape
             (tens of seconds on CPU), logged and counted in the engine's stats. Same greedy tokens as
-            "generate" on every zoo architecture. GENERATION_TRADEOFF
+            "generate" on every zoo architecture.
+            Default "generate" on every device: on this project's loaded 2-core CPU (bench/generation.py, README
+            "Benchmarks") compiled "static" decoded a 42M Llama at 1.14x generate's tokens/s (per-round ratios 1.35
+            and 0.94: within the machine's noise) and the 0.9M toy at 0.83x, after 24-28 s of compile per (batch,
+            bucket) shape, so compile included it was 0.59x / 0.13x over 4 batches; the eager static cache alone is
+            no faster; no GPU was measured here. Try "static" for long runs with one batch shape, on GPUs above all.
         stop_token: "eos" (default) or None; stop_token_id: an explicit stop token (wins over stop_token). The
             response ends after the first stop token; tokens after it are padding.
         missing_eos_penalty: subtracted from the score of a response that never produced the stop token.
