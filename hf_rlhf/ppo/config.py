@@ -23,6 +23,7 @@ from transformers import TrainingArguments
 
 from ..config_checks import check_field_types, renamed_options
 from ..configs import DeviceDefaultsMixin, InputCheckOptions, NonFiniteOptions
+from ..generation.engines import GENERATION_BACKENDS
 from .critic_free import LOSS_TYPES, SCALE_REWARDS
 from .kl import KL_ESTIMATORS
 
@@ -61,6 +62,17 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     Generation:
         response_length: max new tokens (TRL's name). temperature, top_k (0: off), top_p: sampling; the
             log-probabilities of training use the same temperature. generation_kwargs: extra `generate` arguments.
+        generation_backend: the rollout's generation engine (`hf_rlhf.generation`). "generate": transformers'
+            `generate` with the dynamic KV cache (the reference). "static": a pre-allocated static KV cache with the
+            decoding forward compiled (`torch.compile`), prompts left-padded to multiples of 32 columns so a new
+            prompt length reuses its bucket's graph; it pays a one-off compile per (batch, bucket) shape
+            (tens of seconds on CPU), logged and counted in the engine's stats. Same greedy tokens as
+            "generate" on every zoo architecture.
+            Default "generate" on every device: on this project's loaded 2-core CPU (bench/generation.py, README
+            "Benchmarks") compiled "static" decoded a 42M Llama at 1.14x generate's tokens/s (per-round ratios 1.35
+            and 0.94: within the machine's noise) and the 0.9M toy at 0.83x, after 24-28 s of compile per (batch,
+            bucket) shape, so compile included it was 0.59x / 0.13x over 4 batches; the eager static cache alone is
+            no faster; no GPU was measured here. Try "static" for long runs with one batch shape, on GPUs above all.
         stop_token: "eos" (default) or None; stop_token_id: an explicit stop token (wins over stop_token). The
             response ends after the first stop token; tokens after it are padding.
         missing_eos_penalty: subtracted from the score of a response that never produced the stop token.
@@ -136,6 +148,12 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling; 1.0 turns it off."})
     generation_kwargs: dict | str | None = field(
         default=None, metadata={"help": "Extra keyword arguments of generate (a dict, or JSON on the command line)."}
+    )
+    generation_backend: str = field(
+        default="generate",
+        metadata={"help": "Rollout generation engine: generate (transformers' generate, dynamic KV cache) or static "
+                          "(static KV cache, decoding forward compiled, prompts bucketed).",
+                  "choices": list(GENERATION_BACKENDS)},
     )
     stop_token: str | None = field(
         default="eos", metadata={"help": "'eos' to end responses at the eos token, or None (run to response_length)."}

@@ -14,6 +14,7 @@ from trl.models.utils import unwrap_model_for_generation
 
 from ..adapters import adapter_scope
 from ..collators import LeftPaddingCollator
+from ..generation import build_engine
 from ..reward_models import unwrap_peft
 from ..rewards.base import RewardError, check_scores
 from ..tensors import first_true_indices, logprobs_from_logits
@@ -58,6 +59,9 @@ class RolloutMaker:
         self.collator = LeftPaddingCollator(tokenizer.pad_token_id)
         self.stop_token_id = stop_token_id_of(args, tokenizer)
         self._warned_no_stop = False
+        # `PPOConfig.generation_backend`; reads the live policy module, so no `sync_weights` after optimizer steps
+        self.engine = build_engine(args.generation_backend)
+        self._engine_checked = False
 
     @torch.no_grad()
     def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None):
@@ -115,11 +119,12 @@ class RolloutMaker:
 
     # -- steps ---------------------------------------------------------------------------------------
     def _generate(self, policy, query_ids, query_mask) -> torch.LongTensor:
+        """(B, R) sampled response ids, R <= response_length, padded after early stops (`self.engine`)."""
         args, pad = self.args, self.tokenizer.pad_token_id
+        # stop token None: no early stop (a kwarg, unlike a config, overrides)
         kwargs = dict(max_new_tokens=args.response_length, do_sample=True, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, use_cache=True,
-                      eos_token_id=self.stop_token_id)  # None: no early stop (a kwarg, unlike a config, overrides)
-        kwargs.update(args.generation_kwargs or {})
+                      top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, eos_token_id=self.stop_token_id,
+                      generation_kwargs=args.generation_kwargs)
         chunks = []
         checkpointing = {k: v for k, v in (args.activation_checkpointing_kwargs or {}).items()
                          if k not in ("every_n_layers", "offload")}  # re-enabled after generation with these
@@ -128,11 +133,13 @@ class RolloutMaker:
         with unwrap_model_for_generation(policy, self.accelerator, gather_deepspeed3_params=gather,
                                          gradient_checkpointing_kwargs=checkpointing or None) as unwrapped:
             unwrapped.eval()
+            if not self._engine_checked:
+                self.engine.check_model(unwrapped)
+                self._engine_checked = True
             for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):
                 end = start + args.local_rollout_forward_batch_size
-                out = unwrapped.generate(input_ids=query_ids[start:end], attention_mask=query_mask[start:end],
-                                         **kwargs)
-                chunks.append(out[:, query_ids.shape[1]:])
+                out = self.engine.generate(unwrapped, query_ids[start:end], query_mask[start:end], **kwargs)
+                chunks.append(out.response_ids)
         width = max(chunk.shape[1] for chunk in chunks)
         return torch.cat([F.pad(chunk, (0, width - chunk.shape[1]), value=pad) for chunk in chunks])
 
