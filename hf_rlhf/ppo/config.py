@@ -100,8 +100,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         epsilon_high: upper clip, ratio <= 1 + epsilon_high (DAPO's clip-higher, 0.28 there); the lower clip is
             `cliprange` (TRL's `epsilon`, which is not taken as a second name: one option per meaning).
         importance_sampling_level: `token` (PPO's ratio) or `sequence` (GSPO: exp of the response's mean log-ratio).
-            With `sequence`, `loss_type="grpo"` is GSPO's own reduction (TRL warns about the others; so do we, in
-            the docs only).
+            With `sequence`, `loss_type="grpo"` is GSPO's own reduction (TRL warns about the others; so does
+            `PPOTrainer`).
         mask_truncated_completions: responses without the stop token count in the group baselines but not in the
             loss (DAPO's overlong filtering; needs a stop token).
         filter_groups: DAPO's dynamic sampling (veRL's `algorithm.filter_groups`; TRL has none): prompt groups whose

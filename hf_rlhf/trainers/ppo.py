@@ -23,6 +23,7 @@ file written into it.
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,8 @@ from ..rewards.factory import build_reward_source
 from ..rewards.model import ModelReward
 from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
 from .base import BaseTrainer
+
+logger = logging.getLogger("hf_rlhf")
 
 
 def _reference_copy(policy):
@@ -120,6 +123,9 @@ class PPOTrainer(BaseTrainer):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
+        if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":  # as TRL 1.16's GRPOTrainer
+            logger.warning("importance_sampling_level='sequence' with loss_type=%r weights each sequence's ratio by "
+                           "its length; GSPO's own objective is loss_type='grpo'", args.loss_type)
         if train_dataset is None:
             raise ValueError("PPOTrainer needs a train_dataset of prompts.")
         if ref_model is not None and ref_model is model:
