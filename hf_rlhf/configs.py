@@ -54,7 +54,11 @@ class ModelConfig(trl.ModelConfig):
     """How to load a model: weights, dtype, attention, LoRA adapters and bitsandbytes quantization.
 
     A `trl.ModelConfig` (every TRL option, same names) with what differs here:
-    - `dtype` defaults to "auto": a bf16 checkpoint stays bf16 instead of TRL's fp32 copy at twice the memory.
+    - `dtype` defaults to "float32", as TRL's: a checkpoint saved in bf16 (most hub models) is trained with fp32
+      weights and mixed precision (`bf16=True` autocasts the compute). Pure-bf16 weights (`dtype="bfloat16"`, or
+      "auto" for the saved dtype) halve the weights' memory, but updates smaller than bf16's resolution round away:
+      at a 2e-5 learning rate a norm weight of 1.0 does not move. LoRA adapters and DeepSpeed's fp32 master weights
+      are not affected either way.
     - `attn_implementation=None` resolves per device: flash_attention_2 with flash-attn on CUDA, else sdpa.
     - `lora_target_modules=None` means every linear layer but the head (peft's "all-linear"), not peft's per-model
       default (q_proj, v_proj on Llama).
@@ -67,10 +71,11 @@ class ModelConfig(trl.ModelConfig):
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Hub id or local path. None: the recipe's embedded toy model."}
     )
-    # "auto", not TRL's "float32": load weights in the dtype they were saved in
+    # TRL's "float32": small updates survive in fp32 weights (bf16 rounds them away)
     dtype: str = field(
-        default="auto",
-        metadata={"help": "Weights dtype: auto, float32, bfloat16 or float16.",
+        default="float32",
+        metadata={"help": "Weights dtype: float32 (default, as TRL), bfloat16, float16, or auto (as saved). bfloat16 "
+                          "halves the weights' memory, but small full-fine-tuning updates round away in it.",
                   "choices": ["auto", "float32", "bfloat16", "float16"]},
     )
     attn_implementation: str | None = field(

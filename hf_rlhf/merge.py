@@ -87,8 +87,8 @@ def merge_adapter(adapter_dir: str, output_dir: str, base_model: str | None = No
     return merged
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hf_rlhf.merge", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m hf_rlhf.merge") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapter", required=True, help="directory of a saved LoRA adapter")
     parser.add_argument("--output", required=True, help="where to write the merged model")
     parser.add_argument("--base_model_name_or_path", "--base", dest="base", default=None,

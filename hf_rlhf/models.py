@@ -35,8 +35,8 @@ def resolve_dtype(name: str | None) -> torch.dtype | str | None:
 def quantization_config(model_config: ModelConfig):
     """A `BitsAndBytesConfig` for 4/8-bit loading, or None: `trl.get_quantization_config`. Needs the `qlora` extra.
 
-    TRL takes the 4-bit compute dtype from `dtype`, which is invalid for "auto" (our default) and bf16 on CPU
-    is slow; so TRL is asked with `dtype` set to `bnb_4bit_compute_dtype` (None: bfloat16 on CUDA, float32 on CPU).
+    TRL takes the 4-bit compute dtype from `dtype`, which fails for "auto", and bf16 compute is slow on CPU while fp32
+    is slow on CUDA; so TRL is asked with `dtype` set to `bnb_4bit_compute_dtype` (None: bfloat16 on CUDA, float32 on CPU).
     """
     if not (model_config.load_in_4bit or model_config.load_in_8bit):
         return None
@@ -137,7 +137,8 @@ def resolve_model(model, model_config: ModelConfig | None, model_class=AutoModel
 
     Raises:
         TypeError: `model` is neither a path nor an `nn.Module`.
-        ValueError: `model_config` asks for 4/8-bit loading of a model that is already built.
+        ValueError: `model_config` asks for 4/8-bit loading of a model that is already built in full precision (a
+            model loaded quantized, e.g. by `load_model` with the same `model_config`, is taken as it is).
     """
     if isinstance(model, str):
         if model_config is None:
@@ -147,7 +148,9 @@ def resolve_model(model, model_config: ModelConfig | None, model_class=AutoModel
         return load_model(model_config, model_class, **kwargs), model_config
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a path, a PreTrainedModel or a PeftModel, got {type(model).__name__}.")
-    if model_config is not None and (model_config.load_in_4bit or model_config.load_in_8bit):
+    quantized = getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_loaded_in_4bit", False) \
+        or getattr(model, "is_loaded_in_8bit", False)
+    if model_config is not None and (model_config.load_in_4bit or model_config.load_in_8bit) and not quantized:
         raise ValueError("model_config asks for 4/8-bit loading, but the model is already built; "
                          "load it quantized yourself or pass the model as a path.")
     return model, model_config
@@ -190,7 +193,7 @@ def check_trainable(model) -> None:
                          "ModelConfig(use_peft=True).")
 
 
-def set_router_aux_loss(model, coef: float | None) -> None:
+def set_router_aux_loss(model, coef: float | None) -> bool:
     """Switch a Mixture-of-Experts model's load-balancing loss on or off, as `trl.SFTTrainer` does.
 
     The model adds `router_aux_loss_coef * aux_loss` to its own loss when `output_router_logits` is on; TRL turns it
@@ -199,6 +202,9 @@ def set_router_aux_loss(model, coef: float | None) -> None:
     Args:
         model: a causal LM, or a `PeftModel` of one.
         coef: the coefficient; None: the model config's own.
+
+    Returns:
+        whether the load-balancing loss is on (TRL's `aux_loss_enabled`).
 
     Raises:
         ValueError: `coef` is given for a model that is not MoE.
@@ -211,13 +217,14 @@ def set_router_aux_loss(model, coef: float | None) -> None:
         if coef is not None:
             raise ValueError(f"router_aux_loss_coef={coef} but {type(base).__name__} is not a Mixture-of-Experts "
                              "model (its config has no router_aux_loss_coef); leave it None.")
-        return
+        return False
     coef = config.router_aux_loss_coef if coef is None else coef
     config.router_aux_loss_coef = coef
     if hasattr(base, "router_aux_loss_coef"):  # copied from the config when the model was built
         base.router_aux_loss_coef = coef
     if hasattr(config, "output_router_logits"):
         config.output_router_logits = coef != 0
+    return bool(getattr(config, "output_router_logits", False)) and coef != 0
 
 
 def apply_lora(model: PreTrainedModel, peft_config, gradient_checkpointing: bool = False):

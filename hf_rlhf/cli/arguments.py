@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 
 from ..config_checks import check_renamed
@@ -24,7 +25,9 @@ class _KeepSharedNamespace(argparse.Namespace):
             super().__delattr__(name)
 
 
-def _make_parser(dataclass_types):
+def make_parser(dataclass_types):
+    """trl's `TrlParser` for `dataclass_types`: a field several of them hold is one option, `--help` groups the
+    options by dataclass."""
     from trl import TrlParser
 
     class SharedFieldsParser(TrlParser):
@@ -36,6 +39,16 @@ def _make_parser(dataclass_types):
             names = [f.name for t in types for f in dataclasses.fields(t) if f.init]
             self.shared = {n for n in names if names.count(n) > 1}
             super().__init__(types, conflict_handler="resolve")  # argparse keeps one definition of a shared option
+
+        def _add_dataclass_arguments(self, dtype):
+            """Each dataclass's options under a heading of its own (`--help` groups them by config class)."""
+            if hasattr(dtype, "_argument_group_name"):
+                return super()._add_dataclass_arguments(dtype)
+            dtype._argument_group_name = f"{dtype.__name__} ({dtype.__module__})"
+            try:
+                return super()._add_dataclass_arguments(dtype)
+            finally:
+                del dtype._argument_group_name
 
         def parse_known_args(self, args=None, namespace=None):
             return super().parse_known_args(args, namespace or _KeepSharedNamespace(self.shared))
@@ -60,13 +73,19 @@ def parse_recipe_args(dataclass_types, argv: list[str] | None, toy_config: str):
     dataclass's `seed` (the TrainingArguments).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    # `--config=x.yaml` as `--config x.yaml`: TrlParser reads the file only when its name is a token of its own
+    argv = [t for a in argv for t in (a.split("=", 1) if a.startswith("--config=") else [a])]
     real_run = any(a.split("=")[0] in ("--config", "--model_name_or_path", "--dataset_name") for a in argv)
-    if not real_run:
+    config = config_path(argv)
+    if config is not None and not os.path.isfile(config):
+        raise RecipeOptionError(f"--config {config}: no such file")
+    if not real_run and not {"-h", "--help"} & set(argv):
         # the toy YAML holds the toy task's defaults; options given on the command line still win
         print(f"[hf_rlhf] running the embedded toy task ({os.path.relpath(toy_config)})")
         argv = ["--config", toy_config, *argv]
     check_renamed_cli_options(argv, dataclass_types)
-    parser = _make_parser(dataclass_types)
+    parser = make_parser(dataclass_types)
+    check_known_options(parser, argv)
     parsed = parser.parse_args_and_config(args=argv, fail_with_unknown_args=True)
     # seed before any model is built: a head added at load time (the reward model's score layer on an SFT
     # policy) is initialised before the Trainer seeds, and would differ from run to run
@@ -74,6 +93,51 @@ def parse_recipe_args(dataclass_types, argv: list[str] | None, toy_config: str):
 
     set_seed(parsed[-1].seed)
     return parsed
+
+
+def config_path(argv: list[str]) -> str | None:
+    """The `--config` file named in `argv` (`--config x.yaml` or `--config=x.yaml`), or None."""
+    for i, a in enumerate(argv):
+        if a == "--config":
+            return argv[i + 1] if i + 1 < len(argv) else ""
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def unknown_option_message(name: str, valid, where: str = "") -> str:
+    """"unknown option --x (did you mean --y?)": the closest valid name by `difflib`, if any is close."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else " (--help lists the options)"
+    return f"unknown option {name}{where}{hint}"
+
+
+def check_known_options(parser, argv: list[str]) -> None:
+    """Refuse an option the recipe does not have, on the command line or as a key of the `--config` YAML file, with
+    the closest valid one (one line, before anything is parsed or loaded).
+
+    Raises:
+        RecipeOptionError: naming the unknown option and the closest valid one.
+    """
+    options = set(parser._option_string_actions) | {"--config"}
+    for a in argv:
+        if (a.startswith("--") and a != "--") or re.fullmatch(r"-[A-Za-z].*", a):  # not a value such as -0.5
+            name = a.split("=")[0]
+            if name not in options:
+                raise RecipeOptionError(unknown_option_message(name, options))
+    path = config_path(argv)
+    if path and os.path.isfile(path):
+        import yaml
+
+        with open(path) as f:
+            config = yaml.safe_load(f) or {}
+        dests = {action.dest for action in parser._actions}
+        for key in config if isinstance(config, dict) else ():
+            if key != "env" and key not in dests:
+                message = unknown_option_message(key, dests, f" in {path}")
+                raise RecipeOptionError(message.replace(f"unknown option {key}", f"unknown key {key!r}", 1))
 
 
 def check_renamed_cli_options(argv: list[str], dataclass_types=()) -> None:

@@ -9,11 +9,15 @@ class RecipeOptionError(ValueError):
     """A recipe's options that cannot make a run (a missing dataset, policy or reward); raised before any loading."""
 
 
-def run_recipe(main: Callable) -> None:
-    """Run a recipe's `main()` from the command line: a bad input or option exits with its message, not a traceback."""
+def run_recipe(main: Callable):
+    """Run a recipe's `main()` from the command line: a bad input or option exits with its message, not a traceback.
+
+    Returns:
+        what `main()` returns (a recipe's results).
+    """
     from ..data import DataFileError, DataValidationError
 
     try:
-        main()
+        return main()
     except (DataFileError, DataValidationError, RecipeOptionError) as e:
         raise SystemExit(f"[hf_rlhf] error: {e}") from None

@@ -7,6 +7,9 @@ Formats (TRL's names), detected from the columns:
     conversational                    {"messages": [{"role": "user", "content": "..."}, ...]}
     conversational_prompt_completion  {"prompt": [messages], "completion": [messages]}
 
+ShareGPT rows (`conversations` of `from` / `value` messages) are converted first (`data.chatml.to_chatml`, by the
+trainers). Conversational rows may carry `tools` and `chat_template_kwargs` for their chat template, as in TRL.
+
 Tokenized columns: `input_ids`; `completion_mask` (1 on completion tokens, prompt/completion formats);
 `assistant_masks` (1 on assistant tokens, when `assistant_only_loss`).
 """
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..configs import DataOptions, SFTDataOptions
+from .chatml import chat_template_row_kwargs
 from .tokenization import (
     check_chat_template,
     check_overlong_policy,
@@ -166,11 +170,14 @@ class _SFTTokenizeSpec:
     truncate: bool
     loss_masks: tuple[str, ...]  # masks that must keep a 1 after truncation
     checks: dict | None = None   # streamed rows: validated here, just before tokenization
+    chat_template: str | None = None  # TRL's training template for assistant_only_loss, else the tokenizer's
 
 
-def _tokenize_chat(tokenizer, messages, assistant_only_loss: bool, index: int, field: str) -> dict:
+def _tokenize_chat(tokenizer, messages, assistant_only_loss: bool, index: int, field: str,
+                   template_kwargs: dict | None = None) -> dict:
     out = tokenizer.apply_chat_template(
-        list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only_loss)
+        list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only_loss,
+        **(template_kwargs or {}))
     row = {"input_ids": list(out["input_ids"])}
     if assistant_only_loss:
         row["assistant_masks"] = list(out["assistant_masks"])
@@ -179,6 +186,13 @@ def _tokenize_chat(tokenizer, messages, assistant_only_loss: bool, index: int, f
                 index, field, "assistant tokens marked by the chat template's {% generation %} block "
                 "(assistant_only_loss=True)", Verbatim("an all-zero assistant mask"))
     return row
+
+
+def _template_kwargs(row: dict, spec: _SFTTokenizeSpec) -> dict:
+    kwargs = chat_template_row_kwargs(row)
+    if spec.chat_template is not None:
+        kwargs["chat_template"] = spec.chat_template
+    return kwargs
 
 
 def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
@@ -191,12 +205,15 @@ def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
     elif spec.fmt == "prompt_completion":
         out = tokenize_prompt_completion(tok, row["prompt"], row["completion"], spec.prefix, spec.eos_id)
     elif spec.fmt == "conversational":
-        out = _tokenize_chat(tok, row["messages"], spec.assistant_only_loss, index, "messages")
+        out = _tokenize_chat(tok, row["messages"], spec.assistant_only_loss, index, "messages",
+                             _template_kwargs(row, spec))
     else:  # conversational_prompt_completion
+        template_kwargs = _template_kwargs(row, spec)
         prompt_ids = tok.apply_chat_template(
-            list(row["prompt"]), tokenize=True, return_dict=True, add_generation_prompt=True)["input_ids"]
+            list(row["prompt"]), tokenize=True, return_dict=True, add_generation_prompt=True,
+            **template_kwargs)["input_ids"]
         out = _tokenize_chat(tok, list(row["prompt"]) + list(row["completion"]), spec.assistant_only_loss,
-                             index, "completion")
+                             index, "completion", template_kwargs)
         if out["input_ids"][: len(prompt_ids)] != list(prompt_ids):
             raise DataValidationError(
                 index, "prompt", "the chat template to render the prompt (with add_generation_prompt=True) as a "
@@ -266,10 +283,10 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
 
     # step 2. tokenizer: chat template, eos, default leading special tokens
     resolve_chat_template(tokenizer, opts.chat_template_path)
-    eos_id = prefix = None
+    eos_id = prefix = chat_template = None
     if fmt in CONVERSATIONAL_FORMATS:
         # the template writes its own bos / end of turn
-        check_chat_template(tokenizer, fmt, opts.assistant_only_loss, f"{owner}.chat_template_path")
+        chat_template = check_chat_template(tokenizer, fmt, opts.assistant_only_loss, f"{owner}.chat_template_path")
     else:
         eos_id = eos_token_id(tokenizer, opts.eos_token, f"{owner}.eos_token")
         prefix = special_prefix(tokenizer)
@@ -279,7 +296,7 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
         ("assistant_masks",) if opts.assistant_only_loss else ())
     spec = _SFTTokenizeSpec(fmt, tokenizer, opts.dataset_text_field, prefix, eos_id, opts.assistant_only_loss,
                             opts.max_length, opts.overlong_policy == "truncate", loss_masks,
-                            checks if streamed else None)
+                            checks if streamed else None, chat_template)
     field = {"text": opts.dataset_text_field, "prompt_completion": "prompt+completion",
              "conversational": "messages", "conversational_prompt_completion": "prompt+completion"}[fmt]
     tokenized, stats = tokenize_rows(dataset, _tokenize_sft_row, spec, opts, field, "Tokenizing SFT dataset",

@@ -89,25 +89,33 @@ def token_id(tokenizer, token: str, option: str) -> int:
 
 
 def ensure_pad_token(tokenizer, pad_token: str | None) -> None:
-    """Set `tokenizer.pad_token` from the `pad_token` option; require one if the tokenizer has none.
+    """Set `tokenizer.pad_token` from the `pad_token` option; without one, fall back to eos (as TRL), with a warning.
 
-    The eos token is never used as a silent fallback: a collator that masks labels by pad id would then
-    also mask every real eos, and the model would never learn to stop.
+    The fallback is safe here: every collator builds labels from `input_ids` and the completion / assistant masks
+    and pads them with -100 (never by comparing with the pad id), and scores are read at the last position of the
+    attention mask, so a real eos stays trained on and scored even when it is also the pad token.
 
     Args:
         tokenizer: the tokenizer, changed in place.
-        pad_token: a token of its vocabulary, or None to keep the tokenizer's pad token.
+        pad_token: a token of its vocabulary, or None to keep the tokenizer's pad token (eos when it has none).
+
+    Raises:
+        ValueError: `pad_token` is not in the vocabulary, or the tokenizer has neither a pad nor an eos token.
     """
     if pad_token is not None:
         token_id(tokenizer, pad_token, "pad_token")
         tokenizer.pad_token = pad_token
         return
-    if tokenizer.pad_token is None:
+    if tokenizer.pad_token is not None:
+        return
+    if tokenizer.eos_token is None:
         raise ValueError(
-            "tokenizer has no pad token: set SFTConfig.pad_token to a token of its vocabulary that is not the "
-            "eos token (e.g. an unused reserved token), or add one with "
-            "tokenizer.add_special_tokens({'pad_token': '<pad>'}) and model.resize_token_embeddings(len(tokenizer)). "
-            "The eos token is not used silently: eos positions would be masked out of the labels.")
+            "tokenizer has neither a pad token nor an eos token: set the config's pad_token to a token of its "
+            "vocabulary, or add one with tokenizer.add_special_tokens({'pad_token': '<pad>'}) and "
+            "model.resize_token_embeddings(len(tokenizer)).")
+    logger.warning("tokenizer has no pad token: padding with its eos token %r (as TRL does; labels and scores come "
+                   "from masks, so eos is still trained on). Set pad_token to choose another.", tokenizer.eos_token)
+    tokenizer.pad_token = tokenizer.eos_token
 
 
 def eos_token_id(tokenizer, eos_token: str | None, option: str) -> int:
@@ -152,26 +160,45 @@ def _chat_template(tokenizer) -> str | None:
 
 
 def check_chat_template(tokenizer, fmt: str, assistant_only_loss: bool,
-                        option: str = "chat_template_path") -> None:
-    """Raise a ValueError that says how to fix it if conversational data cannot be tokenized.
+                        option: str = "chat_template_path") -> str | None:
+    """Raise a ValueError that says how to fix it if conversational data cannot be tokenized; else the template to
+    tokenize with.
+
+    With `assistant_only_loss` and a template without `{% generation %}` markers, the training version of a known
+    model's stock template that TRL ships is used for tokenization, as TRL swaps it in
+    (`trl.chat_template_utils.get_training_chat_template`); the tokenizer keeps its own template (inference).
 
     Args:
         tokenizer: the tokenizer.
         fmt: the dataset's format, for the error ("conversational" names the `messages` column).
         assistant_only_loss: the template must also mark assistant content with `{% generation %}`.
         option: the option that sets a template, for the error (e.g. "SFTConfig.chat_template_path").
+
+    Returns:
+        None to tokenize with the tokenizer's template, or TRL's training template (a Jinja string).
     """
     template = _chat_template(tokenizer)
     if template is None:
         column = "messages" if fmt == "conversational" else "prompt/completion messages"
         raise ValueError(f"dataset is conversational ({column!r}) but the tokenizer has no chat template; "
                          f"set {option} to a Jinja file or a tokenizer directory")
-    if assistant_only_loss and not _GENERATION_TAG.search(template):
+    if not assistant_only_loss or _GENERATION_TAG.search(template):
+        return None
+    from trl.chat_template_utils import get_training_chat_template
+
+    try:
+        training = get_training_chat_template(tokenizer)
+    except ValueError:  # not one of the stock templates TRL ships a training version of
+        training = None
+    if training is None or not _GENERATION_TAG.search(training):
         raise ValueError(
             "assistant_only_loss=True needs a chat template that wraps assistant content in "
-            "{% generation %} ... {% endgeneration %}, and the tokenizer's template has no such markers "
-            f"(every assistant mask would be all zeros). Add them and pass the template with {option}, "
-            "or set assistant_only_loss=False.")
+            "{% generation %} ... {% endgeneration %}; the tokenizer's template has no such markers and is not one of "
+            "the stock templates TRL ships a training version of (every assistant mask would be all zeros). Add the "
+            f"markers and pass the template with {option}, or set assistant_only_loss=False.")
+    logger.info("assistant_only_loss: tokenizing with TRL's training version of the tokenizer's chat template "
+                "(it marks the assistant turns with {%% generation %%}); the tokenizer keeps its own template.")
+    return training
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from .losses import IMPORTANCE_SAMPLING_LEVELS
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 CRITIC_FREE = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # a baseline from the prompt's G samples
+TRL_NUM_GENERATIONS = 8  # trl.GRPOConfig's / trl.RLOOConfig's default number of completions per prompt
 REWARD_NORMALIZATIONS = ("none", "running", "model_stats")
 PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
 
@@ -87,7 +88,9 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             steps no value head, value model or value adapter: `grpo` (group-normalised scores, Shao et al. 2024),
             `rloo` (leave-one-out baseline, Ahmadian et al. 2024), `reinforce_pp` (REINFORCE++: KL-penalised returns
             whitened over the global batch, Hu 2025) or `reinforce_pp_baseline` (its group-mean baseline variant).
-        num_generations: G, completions sampled per prompt (>= 2 for grpo, rloo and reinforce_pp_baseline).
+        num_generations: G, completions sampled per prompt (>= 2 for grpo, rloo and reinforce_pp_baseline). None
+            (default): TRL's 8 for those group estimators, 1 for the others, so `--advantage_estimator grpo` alone
+            runs.
         scale_rewards: grpo: divide by the std of the `group` (GRPO), of the `batch`, or `none` (Dr. GRPO) (TRL).
         normalize_advantages: rloo: whiten the advantages over the global batch (TRL's RLOO option).
         kl_in_loss: the KL term goes into the loss, β·KL per token with `kl_estimator` (GRPO's: k3), instead of the
@@ -190,7 +193,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
                                          "reinforce_pp_baseline (critic-free: no value function).",
                                  "choices": list(ADVANTAGE_ESTIMATORS)},
     )
-    num_generations: int = field(default=1, metadata={"help": "Completions sampled per prompt."})
+    num_generations: int | None = field(default=None, metadata={
+        "help": "Completions sampled per prompt. None: 8 (TRL's) for grpo, rloo and reinforce_pp_baseline, else 1."})
     scale_rewards: str = field(
         default="group", metadata={"help": "grpo: std of the group, batch, or none (Dr. GRPO).",
                                    "choices": list(SCALE_REWARDS)},
@@ -232,6 +236,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             self.stop_token = None
         if isinstance(self.generation_kwargs, str):
             self.generation_kwargs = json.loads(self.generation_kwargs)
+        if self.num_generations is None:
+            self.num_generations = TRL_NUM_GENERATIONS if self.advantage_estimator in GROUP_ESTIMATORS else 1
         self._check_batches()
         self._check_options()
 
@@ -244,6 +250,20 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     def prompts_per_rollout(self) -> int:
         """Prompts per rollout per device (each sampled `num_generations` times)."""
         return self.rollout_batch_size // self.num_generations
+
+    @property
+    def old_logprobs_in_loss(self) -> bool:
+        """True when the rollout makes no policy forward: the loss's own log-probs, detached, are the old ones (TRL's
+        GRPO does the same when each generation gets one optimizer step), and the KL / entropy statistics come from
+        that forward too.
+
+        Exact when: each rollout gets one optimizer step (one minibatch, one epoch: the loss sees the rollout's
+        weights), no value function is trained (GAE needs the rollout's values), dropout is off (rollout and loss
+        then compute alike), the KL does not enter the rewards (`kl_in_loss`, or β = 0) and β is fixed (the adaptive
+        controller reads the rollout's KL before that step).
+        """
+        return (self.critic_free and self.steps_per_rollout == 1 and self.disable_dropout
+                and self.kl_target is None and (self.kl_in_loss or self.kl_coef == 0))
 
     @property
     def steps_per_rollout(self) -> int:

@@ -16,17 +16,19 @@ from ..adapters import adapter_scope
 from ..collators import LeftPaddingCollator
 from ..reward_models import unwrap_peft
 from ..rewards.base import RewardError, check_scores
-from ..tensors import first_true_indices, logprobs_from_logits, masked_sum
+from ..tensors import first_true_indices, logprobs_from_logits
 from .critic_free import informative_groups, truncated_loss_mask
 from .estimators import estimate_advantages
 from .experience import Experience
-from .kl import kl_penalty
+from .kl import kl_penalty, sequence_policy_stats
 from .policy_value import response_logits
 
 logger = logging.getLogger("hf_rlhf")
 
 ROLLOUT_METRICS = ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                    "objective/scores", "objective/raw_scores")
+# what needs the rollout-time policy log-probs: computed by the loss instead when `args.old_logprobs_in_loss`
+POLICY_METRICS = ROLLOUT_METRICS[:4]
 
 
 def stop_token_id_of(args, tokenizer) -> int | None:
@@ -84,13 +86,18 @@ class RolloutMaker:
             sample, filter_stats = self._filter_groups(model, sample, refill)
         query_ids, query_mask, response_ids, response_mask, stopped, raw_scores = sample
 
-        # step 5. old log-probs and values of the policy, log-probs of the reference (eval mode, micro-batches)
+        # step 5. old log-probs and values of the policy, log-probs of the reference (eval mode, micro-batches);
+        # with one optimizer step per rollout and no KL in the rewards, the loss's own forward gives the old
+        # log-probs (`PPOConfig.old_logprobs_in_loss`) and the policy forward here is skipped
         model.eval()
         old_logprobs, old_values, ref_logprobs = self._forward(model, query_ids, query_mask, response_ids,
-                                                               response_mask)
+                                                               response_mask, policy=not args.old_logprobs_in_loss)
 
         # step 6. per-token KL, score shaping, then the estimator's rewards and advantages (GAE, GRPO, ...)
-        kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
+        if args.old_logprobs_in_loss:  # the KL enters no reward (kl_in_loss, or β = 0): the loss computes it
+            kl = torch.zeros_like(ref_logprobs)
+        else:
+            kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
         scores = self._shape_scores(raw_scores, stopped, reward_moments)
         reduce = self._all_reduce_sum if self.accelerator.num_processes > 1 else None
         rewards, advantages, returns = estimate_advantages(args, scores, kl, response_mask, old_values, kl_coef,
@@ -216,16 +223,22 @@ class RolloutMaker:
             raise RewardError(f"{err} [dataset row {row_indices[err.row]}]", err.row) from err
         return check_scores(scores, len(completions), "compute_rewards", prompts, completions)
 
-    def _forward(self, model, query_ids, query_mask, response_ids, response_mask):
+    def _forward(self, model, query_ids, query_mask, response_ids, response_mask, policy: bool = True):
+        """(old log-probs, old values, reference log-probs), each (B, R); without `policy` the first two are zeros
+        (the loss computes the old log-probs; critic-free estimators have no values)."""
         args = self.args
         logprobs, values, ref_logprobs = [], [], []
         for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):
             part = [t[start:start + args.local_rollout_forward_batch_size]
                     for t in (query_ids, query_mask, response_ids, response_mask)]
-            logits, value, _ = response_logits(model, *part, temperature=args.temperature)
-            logprobs.append(logprobs_from_logits(logits, part[2]))
-            values.append(value if value is not None else torch.zeros_like(logprobs[-1]))  # critic-free: no values
-            del logits
+            if policy:
+                logits, value, _ = response_logits(model, *part, temperature=args.temperature)
+                logprobs.append(logprobs_from_logits(logits, part[2]))
+                values.append(value if value is not None else torch.zeros_like(logprobs[-1]))  # critic-free
+                del logits
+            else:
+                logprobs.append(torch.zeros(part[2].shape, device=part[2].device))
+                values.append(torch.zeros_like(logprobs[-1]))
             ref_logits = self._reference_logits(model.policy, part)
             ref_logprobs.append(logprobs_from_logits(ref_logits, part[2]))
         return torch.cat(logprobs), torch.cat(values), torch.cat(ref_logprobs)
@@ -255,16 +268,15 @@ class RolloutMaker:
     def _stats(self, experience: Experience, kl, raw_scores, stopped, kl_coef) -> dict[str, float]:
         """TRL's rollout metrics, averaged over ranks (`val/num_eos_tokens`: responses that stopped, summed)."""
         mask = experience.response_mask
-        kl_per_sequence = masked_sum(kl, mask, dim=1)
-        non_score = -kl_coef * kl_per_sequence
+        per_sequence = sequence_policy_stats(kl, experience.old_logprobs, experience.scores, mask, kl_coef)
         # float64: rewards near the float32 limit (±3e38) overflow a float32 mean to inf/NaN
-        means = torch.stack([
-            kl_per_sequence.double().mean(), masked_sum(-experience.old_logprobs, mask, dim=1).double().mean(),
-            non_score.double().mean(), (experience.scores.double() + non_score.double()).mean(),
-            experience.scores.double().mean(), raw_scores.double().mean()])
+        means = torch.stack([per_sequence[name].mean() for name in POLICY_METRICS]
+                            + [experience.scores.double().mean(), raw_scores.double().mean()])
         means = self.accelerator.reduce(means, reduction="mean")
         num_stopped = self.accelerator.reduce(stopped.sum().float(), reduction="sum")
         stats = dict(zip(ROLLOUT_METRICS, means.tolist()))
+        if self.args.old_logprobs_in_loss:  # no rollout-time policy log-probs: the loss logs these
+            stats = {name: value for name, value in stats.items() if name not in POLICY_METRICS}
         stats["objective/kl_coef"] = float(kl_coef)  # the same on every rank
         stats["val/num_eos_tokens"] = num_stopped.item()
         if self.stop_token_id is not None and stats["val/num_eos_tokens"] == 0 and not self._warned_no_stop:

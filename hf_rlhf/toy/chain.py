@@ -63,11 +63,15 @@ def check_answers(prompts: list, completions: list[str], rows) -> dict:
             "exact_match_by_task": {task: sum(v) / len(v) for task, v in sorted(by_task.items())}}
 
 
+TOY_REWARD_FUNCTION = "hf_rlhf.toy:reward_fn"
+
+
 def toy_chain(script_args, toy_args: ToyChainArguments, model_config, recipes_dir: str) -> PromptData:
     """The PPO recipe's toy task: its prerequisites built, the policy path set, its prompts and checks.
 
     Args:
-        script_args: the PPO recipe's options (`reward_source`, `reward_model_path`).
+        script_args: the PPO recipe's options (`reward_source`, `reward_model_path`, `reward_function`: the toy
+            task's verifiable reward when `reward_source` is function and none is named).
         toy_args: the toy chain's options.
         model_config: `model_name_or_path` is set to the SFT policy unless given.
         recipes_dir: the directory holding sft.py, reward.py and configs/.
@@ -78,6 +82,8 @@ def toy_chain(script_args, toy_args: ToyChainArguments, model_config, recipes_di
     """
     timings: dict[str, float] = {}
     needed = []
+    if script_args.reward_source == "function" and not getattr(script_args, "reward_function", None):
+        script_args.reward_function = TOY_REWARD_FUNCTION  # the toy task's own reward: its verifiable exact match
     if model_config.model_name_or_path is None:
         config = toy_args.sft_config or os.path.join(recipes_dir, "configs", "sft_toy.yaml")
         needed.append(("sft", toy_args.sft_model_path, config, []))

@@ -46,6 +46,7 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
     """
 
     config_class: type = None
+    tag_names: tuple[str, ...] = ("hf_rlhf",)  # added to the model's tags (its model card), with TRL's for the trainer
     default_output_dir: str = "output"
     counts_tokens: bool = False  # log `num_tokens`: the trainer adds each batch's real tokens to metrics["train"]
 
@@ -106,6 +107,12 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
         return given
 
     @staticmethod
+    def require_train_dataset(train_dataset) -> None:
+        """TRL's check: a trainer is built to train; evaluation-only use passes the rows to train on all the same."""
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required (as in TRL): pass the rows to train on.")
+
+    @staticmethod
     def check_rows_first(datasets, check) -> set[int]:
         """Check the rows of every raw, in-memory dataset before any model is loaded: a bad row fails in seconds.
 
@@ -122,6 +129,12 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
             for dataset in (item.values() if isinstance(item, dict) else [item]):
                 if dataset is None or is_streamed(dataset):
                     continue
+                if getattr(dataset, "format", {}).get("type") == "custom":  # as TRL refuses it
+                    raise ValueError(
+                        "a dataset with Dataset.with_transform() cannot be prepared: preparation calls Dataset.map(), "
+                        "which reads through the transform and would bake a random or stateful transform into the "
+                        "tokenized columns. Pass dataset_kwargs={'skip_prepare_dataset': True} and make the transform "
+                        "return tokenized rows, or apply a deterministic transform with Dataset.map() first.")
                 if {"input_ids", "chosen_ids"} & set(column_names(dataset)):
                     continue
                 check(dataset)
@@ -188,6 +201,8 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
         self.metrics = {"train": MetricAccumulator(), "eval": MetricAccumulator()}
         self._num_tokens = None  # real tokens trained on so far (`counts_tokens`)
         super().__init__(*args, **kwargs)
+        if hasattr(self.model, "add_model_tags"):  # a PreTrainedModel or PeftModel (PPO's wrapper has none)
+            self.model.add_model_tags(list(self.tag_names))
         self.activation_offload_context = contextlib.nullcontext()
         if getattr(self.args, "activation_offloading", False):  # the configs refuse it without CUDA
             from trl.models.activation_offloading import get_act_offloading_ctx_manager
@@ -218,11 +233,32 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
-        if mode == "eval" or "loss" in logs:  # a training log, not the run's closing summary
+        # a training log, an evaluation, or the run's closing summary (`train_runtime`): the summary gets what
+        # accumulated after the last logging step, as TRL's, so a run that ends between logging steps loses nothing
+        if mode == "eval" or "loss" in logs or "train_runtime" in logs:
             prefix = "eval_" if mode == "eval" else ""
-            totals = self.metrics[mode].totals(self.accelerator)
-            logs.update({prefix + name: value for name, value in self.logged_metrics(mode, totals).items()})
+            totals = self.metrics[mode].totals(self.accelerator)  # every rank calls it: the summary is logged on all
+            if mode == "eval" or "loss" in logs or any(weight > 0 for _, weight in totals.values()):
+                logs.update({prefix + name: value for name, value in self.logged_metrics(mode, totals).items()})
         super().log(logs, start_time)
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """`Trainer.evaluate`, with a dataset passed here prepared as the eval datasets given at init are (as TRL):
+        raw rows are checked, tokenized (and packed where the config packs evaluation); a tokenized dataset is left
+        as it is; a `str` names an eval dataset prepared at init."""
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            if isinstance(eval_dataset, dict):
+                eval_dataset = {key: self.prepare_eval_dataset(dataset, f"eval[{key}]")
+                                for key, dataset in eval_dataset.items()}
+            else:
+                eval_dataset = self.prepare_eval_dataset(eval_dataset, "eval")
+        return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    def prepare_eval_dataset(self, dataset, name: str):
+        """A dataset passed to `evaluate`, prepared for this trainer's collator; trainers that prepare their
+        datasets override it (the base returns it as it is)."""
+        return dataset
 
     # -- saving and resuming modules that are not a PreTrainedModel ---------------------------------
     @staticmethod

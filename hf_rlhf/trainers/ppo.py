@@ -37,7 +37,7 @@ from ..ppo.callbacks import EpochFromStepCallback, KLControllerCallback, RewardS
 from ..ppo.config import PPOConfig
 from ..ppo.experience import Experience
 from ..ppo.critic_free import aggregate_loss
-from ..ppo.kl import kl_penalty
+from ..ppo.kl import kl_penalty, sequence_policy_stats
 from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator, validate_prompt_dataset
 from ..ppo.losses import policy_loss_per_token, value_loss
 from ..ppo.policy_value import PolicyAndValue, response_logits
@@ -113,6 +113,7 @@ class PPOTrainer(BaseTrainer):
     """
 
     config_class = PPOConfig
+    tag_names = ("hf_rlhf", "trl", "ppo")
     default_output_dir = "ppo-output"
     loss_is_scaled_for_ga = True  # compute_loss divides by the minibatch's token count (see get_batch_samples)
 
@@ -263,7 +264,8 @@ class PPOTrainer(BaseTrainer):
         model = self.accelerator.unwrap_model(self.model_wrapped)
         experience, stats = self.rollout_maker.make(model, rows, kl.value, stats_cb and stats_cb.moments, indices,
                                                     refill)
-        kl.update(stats["objective/kl"], self.args.rollout_batch_size * self.accelerator.num_processes)
+        if "objective/kl" in stats:  # absent with old_logprobs_in_loss, whose β is fixed (nothing to update)
+            kl.update(stats["objective/kl"], self.args.rollout_batch_size * self.accelerator.num_processes)
         return experience, stats
 
     def _ptx_batch(self, index: int) -> dict:
@@ -295,7 +297,10 @@ class PPOTrainer(BaseTrainer):
         logits, values, ptx_logits = response_logits(model, exp.query_ids, exp.query_mask, exp.response_ids, mask,
                                                      args.temperature, extra_rows=extra)
         logprobs = logprobs_from_logits(logits, exp.response_ids)
-        per_token_pg, pg_stats = policy_loss_per_token(logprobs, exp.old_logprobs, exp.advantages, mask,
+        # one optimizer step per rollout: this forward runs the rollout's weights, so its detached log-probs are
+        # the old ones (the rollout skipped its own policy forward; `PPOConfig.old_logprobs_in_loss`)
+        old_logprobs = logprobs.detach() if args.old_logprobs_in_loss else exp.old_logprobs
+        per_token_pg, pg_stats = policy_loss_per_token(logprobs, old_logprobs, exp.advantages, mask,
                                                        args.cliprange, args.epsilon_high,
                                                        args.importance_sampling_level)
         per_token_loss, sums = per_token_pg, {"loss/policy_avg": masked_sum(per_token_pg.detach(), mask)}
@@ -323,6 +328,12 @@ class PPOTrainer(BaseTrainer):
             metrics.add(name, value * tokens, tokens)
         for name, value in inputs["rollout_stats"].items():
             metrics.add(name, value)
+        if args.old_logprobs_in_loss:  # the rollout's policy statistics, from this forward (per sequence means)
+            detached = logprobs.detach()
+            token_kl = kl_penalty(detached, exp.ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
+            beta = inputs["rollout_stats"]["objective/kl_coef"]
+            for name, value in sequence_policy_stats(token_kl, detached, exp.scores, mask, beta).items():
+                metrics.add(name, value.sum(), float(value.numel()))
         if ptx_logits is not None:
             labels = inputs["ptx_labels"][:, 1:]
             ptx_loss = F.cross_entropy(ptx_logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
@@ -367,4 +378,5 @@ class PPOTrainer(BaseTrainer):
 
     def _nonfinite_watch(self, inputs) -> dict:
         stats = inputs["rollout_stats"]  # per rollout, checked before each of its optimizer steps
-        return {"objective/kl": stats["objective/kl"], "objective/raw_scores": stats["objective/raw_scores"]}
+        # (the KL is absent when the loss computes it, `old_logprobs_in_loss`: a non-finite KL makes the loss so)
+        return {name: stats[name] for name in ("objective/kl", "objective/raw_scores") if name in stats}

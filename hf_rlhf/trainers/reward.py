@@ -24,6 +24,7 @@ from transformers import AutoModelForSequenceClassification, TrainingArguments
 from ..collators import PairwiseCollator
 from ..configs import ModelConfig, RewardConfig
 from ..data import check_preference_rows, ensure_pad_token, main_process_first_if_cached, prepare_preference_dataset
+from ..data.chatml import to_chatml
 from ..data.streaming import check_streamed_training, is_streamed
 from ..losses import pairwise_metric_sums, pairwise_reward_loss
 from ..models import check_trainable, resolve_model
@@ -82,6 +83,7 @@ class RewardTrainer(BaseTrainer):
     """
 
     config_class = RewardConfig
+    tag_names = ("hf_rlhf", "trl", "reward-trainer")  # TRL's tags too
     default_output_dir = "reward-output"
     counts_tokens = True
     feature_columns = ("chosen_ids", "rejected_ids", "margin")  # what PairwiseCollator reads
@@ -92,6 +94,8 @@ class RewardTrainer(BaseTrainer):
                  optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
                  quantization_config=None, peft_config=None, *, model_config: ModelConfig | None = None, **kwargs):
         self.check_extra_kwargs(kwargs)
+        self.require_train_dataset(train_dataset)
+        train_dataset, eval_dataset = to_chatml(train_dataset), to_chatml(eval_dataset)  # ShareGPT rows, as TRL
         args = self.resolve_args(args)
         init_kwargs = {"num_labels": 1, **self.model_init_kwargs(model, args, quantization_config)}
         checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_preference_rows(d, args))
@@ -142,6 +146,11 @@ class RewardTrainer(BaseTrainer):
         if args.prefix_sharing and attn not in ("sdpa", "eager"):
             raise ValueError(f"prefix_sharing needs a custom attention mask, which {attn!r} attention does not "
                              "take; use attn_implementation='sdpa' or 'eager', or padding_free=True")
+
+    def prepare_eval_dataset(self, dataset, name: str):
+        """A dataset passed to `evaluate`: preference rows checked and tokenized like the eval sets of `__init__`
+        (already tokenized pairs are taken as they are)."""
+        return self._prepare(to_chatml(dataset), self.processing_class, self.args, name)
 
     @staticmethod
     def _prepare(dataset, tokenizer, args, name, rows_checked: bool = False):

@@ -26,6 +26,7 @@ from ..data import (
     prepare_sft_dataset,
     resolve_chat_template,
 )
+from ..data.chatml import to_chatml
 from ..data.streaming import check_streamed_training, first_rows, is_streamed, stream_columns
 from ..losses import dft_compute_loss_func
 from ..models import check_trainable, resolve_model, set_router_aux_loss
@@ -129,6 +130,7 @@ class SFTTrainer(BaseTrainer):
     """
 
     config_class = SFTConfig
+    tag_names = ("hf_rlhf", "trl", "sft")  # TRL's tags too: scripts and hub searches look for them
     default_output_dir = "sft-output"
     counts_tokens = True
     # columns the collators read; the Trainer's remove_unused_columns must keep them
@@ -140,8 +142,10 @@ class SFTTrainer(BaseTrainer):
                  preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None, formatting_func=None,
                  *, model_config: ModelConfig | None = None, **kwargs):
         self.check_extra_kwargs(kwargs)
+        self.require_train_dataset(train_dataset)
         args = self.resolve_args(args)
         if formatting_func is None and not args.skip_prepare_dataset:
+            train_dataset, eval_dataset = to_chatml(train_dataset), to_chatml(eval_dataset)  # ShareGPT rows, as TRL
             checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_sft_rows(d, args))
         else:  # rows become text only once formatted; skipped datasets go to the collator as they are
             checked = set()
@@ -154,7 +158,8 @@ class SFTTrainer(BaseTrainer):
             ensure_pad_token(processing_class, args.pad_token)
         model = self.add_peft(model, model_config, args, peft_config)
         check_trainable(model)
-        set_router_aux_loss(model, args.router_aux_loss_coef)
+        # TRL's attribute: the MoE load-balancing loss is on (the model adds it to its loss)
+        self.aux_loss_enabled = set_router_aux_loss(model, args.router_aux_loss_coef)
         if args.loss_type == "dft":
             if compute_loss_func is not None:
                 raise ValueError("loss_type='dft' sets the loss; a compute_loss_func cannot be given with it "
@@ -179,6 +184,7 @@ class SFTTrainer(BaseTrainer):
         else:
             eval_dataset = prepare(eval_dataset, "eval", eval_packing)
 
+        self.formatting_func = formatting_func
         self.packed = packs
         if self.packed and args.packing_check:  # refuse an architecture whose packed sequences would see each other
             check_packing_exact(model, "packing" if args.packing or args.eval_packing else "padding_free")
@@ -194,6 +200,23 @@ class SFTTrainer(BaseTrainer):
                          compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
                          optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+
+    def prepare_eval_dataset(self, dataset, name: str):
+        """A dataset passed to `evaluate`: raw rows formatted, checked and tokenized like the eval sets of
+        `__init__` (packed with `eval_packing`); a tokenized one is left as it is; one that `skip_prepare_dataset`
+        skips goes to the collator as it is."""
+        args = self.args
+        if args.skip_prepare_dataset:
+            return dataset
+        columns = stream_columns(dataset, first_rows(dataset)[0]) if is_streamed(dataset) else dataset.column_names
+        if "input_ids" in columns:
+            return dataset
+        if self.formatting_func is not None:
+            dataset = apply_formatting_func(dataset, self.formatting_func, args.dataset_text_field)
+        else:
+            dataset = to_chatml(dataset)
+        packing = args.packing if args.eval_packing is None else args.eval_packing
+        return self._prepare(dataset, self.processing_class, args, name, packing=packing)
 
     # -- setup ---------------------------------------------------------------------------------
     @staticmethod

@@ -191,3 +191,45 @@ def test_reward(tmp_path, tokenizer, model_dirs):
 def test_reward_streamed(tmp_path, tokenizer, model_dirs):
     run_both(reward_script, tmp_path, model_dirs["rm"], tokenizer,
              streamed(preference_dataset(24, seed=0), tmp_path, "pairs"), preference_dataset(8, seed=1))
+
+
+def test_sft_bf16_checkpoint_trains_every_parameter_in_fp32(tmp_path, tokenizer):
+    """A checkpoint saved in bf16 (most hub models), full fine-tuning with the default config: both libraries load it
+    in float32, so even the smallest update (norm weights at a 2e-5 learning rate) lands and the losses agree. With
+    pure-bf16 weights (`dtype="auto"` here) the norm weights' updates round away."""
+    import torch
+
+    path = str(tmp_path / "bf16")
+    build_toy_model(tokenizer).to(torch.bfloat16).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    initial = {n: p.float().clone() for n, p in build_toy_model(tokenizer).to(torch.bfloat16).named_parameters()}
+    trained, histories = {}, {}
+    for lib in LIBRARIES:
+        seed_everything()
+        args = lib.SFTConfig(**{**config_kwargs(str(tmp_path / lib.__name__)), "max_length": 64,
+                                "learning_rate": 2e-5})
+        trainer = lib.SFTTrainer(model=path, args=args, train_dataset=sft_dataset(24, seed=0),
+                                 eval_dataset=sft_dataset(8, seed=1), processing_class=tokenizer)
+        trainer.train()
+        histories[lib] = trainer.state.log_history
+        trained[lib] = dict(trainer.model.named_parameters())
+    print("loss curves (trl, hf_rlhf):", [[h["loss"] for h in split_logs(histories[lib])[0]] for lib in LIBRARIES])
+    compare(histories)
+    for lib in LIBRARIES:
+        assert all(p.dtype == torch.float32 for p in trained[lib].values()), lib.__name__
+        unchanged = [n for n, p in trained[lib].items() if torch.equal(p.detach().float(), initial[n])]
+        assert not unchanged, (lib.__name__, unchanged)
+
+    # the opt-in: weights kept in their saved bf16; the norm weights' tiny updates round away
+    from hf_rlhf import ModelConfig
+
+    seed_everything()
+    args = hf_rlhf.SFTConfig(**{**config_kwargs(str(tmp_path / "bf16_weights")), "max_length": 64,
+                                "learning_rate": 2e-5, "eval_strategy": "no"})
+    trainer = hf_rlhf.SFTTrainer(model=path, args=args, train_dataset=sft_dataset(24, seed=0),
+                                 processing_class=tokenizer, model_config=ModelConfig(dtype="auto"))
+    trainer.train()
+    params = dict(trainer.model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 for p in params.values())
+    unchanged = [n for n, p in params.items() if torch.equal(p.detach().float(), initial[n])]
+    assert unchanged and all("norm" in n for n in unchanged), unchanged

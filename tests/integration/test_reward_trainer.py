@@ -296,3 +296,37 @@ def test_value_head_model_resumes_from_a_checkpoint_exactly(tmp_path, tokenizer,
     assert resumed_losses == {step: losses[step] for step in (3, 4)}
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_tokenizer_without_pad_token_pads_with_eos_and_scores_the_real_last_token(tmp_path, tokenizer, pairs):
+    """As TRL: no pad token -> eos pads. Scores are read at the attention mask's last position, so a sequence that
+    ends in eos is scored at its eos (transformers' own pooling would stop before it), the same as alone."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = None
+    trainer = RewardTrainer(build_toy_reward_model(tok), args=make_args(tmp_path, max_steps=2),
+                            train_dataset=pairs, processing_class=tok)
+    assert tok.pad_token_id == tok.eos_token_id == trainer.model.config.pad_token_id
+    trainer.train()
+    features = [trainer.train_dataset[i] for i in range(4)]
+    batch = trainer.data_collator(features)
+    sequences = [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]
+    assert all(ids[-1] == tok.eos_token_id for ids in sequences)
+    model = trainer.model.eval()
+    with torch.no_grad():
+        batched = get_rewards(model, batch["input_ids"], batch["attention_mask"])
+    assert_close(batched, rewards_alone(model, sequences), atol=1e-5, rtol=0)
+
+
+def test_evaluate_prepares_raw_pairs_passed_to_it(tmp_path, tokenizer, pairs):
+    """As TRL: `evaluate(eval_dataset=raw_pairs)` tokenizes the pairs like an eval set given at init."""
+    raw = preference_dataset(12, seed=4, split="test")
+    args = make_args(tmp_path, max_steps=1, per_device_eval_batch_size=4)
+    at_init = RewardTrainer(build_toy_reward_model(tokenizer), args=args, train_dataset=pairs, eval_dataset=raw,
+                            processing_class=tokenizer).evaluate()
+    trainer = RewardTrainer(build_toy_reward_model(tokenizer), args=args, train_dataset=pairs,
+                            processing_class=tokenizer)
+    passed = trainer.evaluate(eval_dataset=raw)
+    assert passed["eval_loss"] == pytest.approx(at_init["eval_loss"], abs=1e-6)
+    assert passed["eval_accuracy"] == at_init["eval_accuracy"]

@@ -189,3 +189,101 @@ def test_conversational_assistant_only_loss_trains(tmp_path, tokenizer):
     trainer.train()
     hist = losses(trainer)
     assert hist[-1] < hist[0]
+
+
+@pytest.mark.parametrize("fmt", ["prompt_completion", "text"])
+def test_tokenizer_without_pad_token_pads_with_eos_and_keeps_eos_trained(tmp_path, tokenizer, fmt):
+    """As TRL: no pad token -> eos pads. Labels come from masks and are padded with -100, so every real eos (the
+    last token of each row) is still a label, while the padding after it is not."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = None
+    rows = sft_dataset(8, seed=3, format=fmt)
+    trainer = SFTTrainer(build_toy_model(tok, "tiny"), args=make_args(tmp_path, max_steps=2),
+                         train_dataset=rows, processing_class=tok)
+    assert tok.pad_token_id == tok.eos_token_id
+    features = [trainer.train_dataset[i] for i in range(4)]
+    batch = trainer.data_collator(features)
+    for row, feature in enumerate(features):
+        n = len(feature["input_ids"])
+        assert feature["input_ids"][-1] == tok.eos_token_id
+        assert batch["labels"][row, n - 1].item() == tok.eos_token_id  # the real eos is trained on
+        assert (batch["labels"][row, n:] == -100).all()  # the eos padding after it is not
+    assert any(len(f["input_ids"]) < batch["input_ids"].shape[1] for f in features)  # some row was padded
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(losses(trainer))))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_evaluate_prepares_a_raw_dataset_passed_to_it(tmp_path, tokenizer, train_rows, packing):
+    """As TRL: `evaluate(eval_dataset=raw_rows)` tokenizes (and packs) the rows like an eval set given at init, in
+    memory or streamed; the loss equals the one of the same rows given at init."""
+    from datasets import load_dataset
+
+    raw = sft_dataset(12, seed=4, format="prompt_completion")
+    args = make_args(tmp_path, max_steps=1, packing=packing, per_device_eval_batch_size=4)
+    at_init = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=args, train_dataset=train_rows,
+                         eval_dataset=raw, processing_class=tokenizer).evaluate()
+    trainer = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=args, train_dataset=train_rows,
+                         processing_class=tokenizer)
+    passed = trainer.evaluate(eval_dataset=raw)
+    assert passed["eval_loss"] == pytest.approx(at_init["eval_loss"], abs=1e-6)
+    named = trainer.evaluate(eval_dataset={"held_out": raw})
+    assert named["eval_held_out_loss"] == pytest.approx(at_init["eval_loss"], abs=1e-6)
+    path = str(tmp_path / "eval.jsonl")
+    raw.to_json(path)
+    streamed = trainer.evaluate(eval_dataset=load_dataset("json", data_files=path, split="train", streaming=True))
+    if not packing:  # a packed stream is packed in windows, so its rows differ; its loss is still a loss
+        assert streamed["eval_loss"] == pytest.approx(at_init["eval_loss"], abs=1e-5)
+    assert streamed["eval_loss"] > 0
+
+
+def test_a_run_ending_between_logging_steps_logs_its_metrics_in_the_last_record(tmp_path, tokenizer, train_rows):
+    """As TRL: 9 steps with logging_steps=10 log no training record, so the closing summary carries the
+    accumulated metrics (mean_token_accuracy, entropy, num_tokens)."""
+    trainer = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path, max_steps=9, logging_steps=10),
+                         train_dataset=train_rows, processing_class=tokenizer)
+    trainer.train()
+    last = trainer.state.log_history[-1]
+    assert "train_runtime" in last and not losses(trainer)  # no logging step was reached
+    assert 0 <= last["mean_token_accuracy"] <= 1 and last["entropy"] > 0 and last["num_tokens"] > 0
+    # a run that ends on a logging step has nothing left over: the summary repeats nothing
+    trainer = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path, max_steps=4, logging_steps=2),
+                         train_dataset=train_rows, processing_class=tokenizer)
+    trainer.train()
+    assert "mean_token_accuracy" not in trainer.state.log_history[-1]
+
+
+def test_trl_checks_tags_and_aux_loss_flag(tmp_path, tokenizer, train_rows):
+    """TRL's: `train_dataset=None` refused at init, the trainer's tags on the model (LoRA too), `aux_loss_enabled`
+    (False for a dense model), a dataset with a transform refused with the way out."""
+    from peft import LoraConfig
+
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path), processing_class=tokenizer)
+    for peft_config in (None, LoraConfig(r=4, target_modules=["q_proj"])):
+        trainer = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path), train_dataset=train_rows,
+                             processing_class=tokenizer, peft_config=peft_config)
+        assert {"trl", "sft", "hf_rlhf"} <= set(trainer.model.model_tags)
+        assert trainer.aux_loss_enabled is False
+    transformed = sft_dataset(8, seed=0).with_transform(lambda batch: batch)
+    with pytest.raises(ValueError, match="with_transform.*skip_prepare_dataset"):
+        SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path), train_dataset=transformed,
+                   processing_class=tokenizer)
+
+
+def test_sharegpt_rows_train_as_their_chatml_rows(tmp_path, tokenizer):
+    """As TRL: `conversations` of `from` / `value` messages are converted to `messages` before anything else, for
+    training and for a dataset passed to `evaluate`."""
+    from datasets import Dataset
+
+    chatml = sft_dataset(8, seed=2, format="messages")
+    sharegpt = Dataset.from_list([{"conversations": [{"from": m["role"], "value": m["content"]} for m in row["messages"]]}
+                                  for row in chatml])
+    args = make_args(tmp_path, max_steps=1, per_device_eval_batch_size=4)
+    ours = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=args, train_dataset=sharegpt, processing_class=tokenizer)
+    theirs = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=args, train_dataset=chatml, processing_class=tokenizer)
+    assert ours.train_dataset["input_ids"] == theirs.train_dataset["input_ids"]
+    assert ours.evaluate(eval_dataset=sharegpt)["eval_loss"] == pytest.approx(
+        ours.evaluate(eval_dataset=chatml)["eval_loss"], abs=1e-6)

@@ -363,6 +363,7 @@ def test_router_aux_loss_coef_on_a_moe_model(tmp_path, tokenizer):
         expected = 0.02 if coef is None else coef  # None: the model config's own (TRL)
         assert model.config.router_aux_loss_coef == model.router_aux_loss_coef == expected
         assert model.config.output_router_logits is (expected != 0)
+        assert trainer.aux_loss_enabled is (expected != 0)  # TRL's attribute
         with torch.no_grad():
             out = model(**batch)
         losses[coef] = (out.loss, out.aux_loss)

@@ -209,11 +209,22 @@ def test_error_pickles_for_worker_processes():
 # Tokenizer set-up
 
 
-def test_no_pad_token_is_an_error_not_eos():
+def test_no_pad_token_falls_back_to_eos_with_a_warning(caplog):
     tok = build_tokenizer(pad=False)
-    with pytest.raises(ValueError, match="tokenizer has no pad token: set SFTConfig.pad_token"):
+    with caplog.at_level("WARNING", logger="hf_rlhf"):
         ensure_pad_token(tok, None)
-    assert tok.pad_token is None  # eos was not used silently
+    assert tok.pad_token == tok.eos_token and tok.pad_token_id == tok.eos_token_id
+    assert "no pad token: padding with its eos token" in caplog.text
+    caplog.clear()
+    ensure_pad_token(tok, None)  # a tokenizer that has one now is left as it is, silently
+    assert not caplog.text
+
+
+def test_no_pad_and_no_eos_token_is_an_error():
+    tok = build_tokenizer(pad=False)
+    tok.eos_token = None
+    with pytest.raises(ValueError, match="neither a pad token nor an eos token"):
+        ensure_pad_token(tok, None)
 
 
 def test_pad_token_from_config():
@@ -489,3 +500,60 @@ def test_main_process_goes_first_only_for_cached_datasets(tmp_path):
     with main_process_first_if_cached(args, on_disk, "train dataset tokenization"):
         pass
     assert args.calls == ["train dataset tokenization"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# ShareGPT rows and per-row chat template arguments (as TRL)
+
+
+def test_sharegpt_rows_prepare_exactly_as_their_chatml_rows(tokenizer):
+    from hf_rlhf.data.chatml import to_chatml
+
+    chatml = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+              {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    sharegpt = Dataset.from_list([{"conversations": [{"from": m["role"], "value": m["content"]} for m in r["messages"]]}
+                                  for r in chatml])
+    converted = to_chatml(sharegpt)
+    assert converted.column_names == ["messages"]
+    expected = prepare_sft_dataset(Dataset.from_list(chatml), tokenizer, sft_args())
+    assert prepare_sft_dataset(converted, tokenizer, sft_args())["input_ids"] == expected["input_ids"]
+    plain = Dataset.from_list(chatml)
+    assert to_chatml(plain) is plain and to_chatml(None) is None
+    # preference columns too (TRL converts prompt / chosen / rejected messages)
+    pairs = to_chatml(Dataset.from_list([{"chosen": [{"from": "user", "value": "a"}],
+                                          "rejected": [{"from": "user", "value": "b"}]}]))
+    assert pairs[0]["chosen"] == [{"role": "user", "content": "a"}]
+
+
+def test_row_chat_template_kwargs_and_tools_reach_the_template():
+    template = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+                "{% if shout %}!{% endif %}|{% endfor %}{% if tools %}tools={{ tools | length }}{% endif %}")
+    tok = build_tokenizer(chat_template=template, bos=False)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    rows = Dataset.from_list([
+        {"messages": messages, "chat_template_kwargs": {"shout": True}, "tools": None},
+        {"messages": messages, "chat_template_kwargs": {"shout": None},
+         "tools": '[{"type": "function", "function": {"name": "f"}}]'},
+    ])
+    ids = prepare_sft_dataset(rows, tok, sft_args())["input_ids"]
+    texts = [tok.decode(row) for row in ids]
+    assert texts[0] == "user: hi!|assistant: yo!|"
+    assert texts[1] == "user: hi|assistant: yo|tools=1"
+
+
+def test_assistant_only_loss_with_a_stock_template_uses_trls_training_version():
+    """As TRL: Qwen2.5's stock template has no {% generation %} markers; TRL's shipped training version of it marks
+    the assistant turns, and tokenization uses it while the tokenizer keeps its own (inference) template."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tok = build_tokenizer(chat_template=qwen2_5_chat_template, bos=False)
+    rows = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                          {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]}]
+    out = prepare_sft_dataset(rows, tok, sft_args(assistant_only_loss=True))
+    ids, mask = out[0]["input_ids"], out[0]["assistant_masks"]
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    # both answers with their end of turn (TRL's template also marks the newline after the role), no user text
+    assert trained.replace("\n", "") == "4<|im_end|>6<|im_end|>", trained
+    assert tok.chat_template == qwen2_5_chat_template
+    # the text is the stock template's: training changes which tokens are masked, not what the model sees
+    assert tok.decode(ids) == tok.apply_chat_template(rows[0]["messages"], tokenize=False)

@@ -21,7 +21,7 @@ def test_model_config_is_trls_with_our_defaults():
     ours = ModelConfig()
     assert isinstance(ours, trl.ModelConfig)
     assert {f.name for f in dataclasses.fields(trl.ModelConfig)} <= {f.name for f in dataclasses.fields(ModelConfig)}
-    assert ours.dtype == "auto" and trl.ModelConfig().dtype == "float32"
+    assert ours.dtype == "float32" == trl.ModelConfig().dtype
     assert ours.attn_implementation == "sdpa" and trl.ModelConfig().attn_implementation is None
 
 
@@ -105,7 +105,7 @@ def test_quantization_config_is_the_same_object_as_before(kwargs):
 
 def test_quantization_config_keeps_fp32_compute_on_cpu_where_trl_fails_on_auto():
     pytest.importorskip("bitsandbytes")
-    mc = ModelConfig(use_peft=True, load_in_4bit=True)  # dtype="auto"
+    mc = ModelConfig(use_peft=True, load_in_4bit=True, dtype="auto")
     with pytest.raises(AttributeError):
         trl.get_quantization_config(mc)
     expected = torch.bfloat16 if torch.cuda.is_available() else torch.float32

@@ -287,6 +287,7 @@ def test_toy_chain_uses_models_it_finds(tmp_path, tiny_model_dir, capsys):
     assert len(data.train) == 12 and len(data.held_out) == 5 and data.held_out["prompt"] == list(
         prompt_dataset(5, seed=1, split="test")["prompt"])
     assert data.check is check_answers and data.score_fn is reward_fn
+    assert script_args.reward_function == "hf_rlhf.toy:reward_fn"  # no function named: the toy task's own reward
     assert f"sft model: {tiny_model_dir} (found)" in capsys.readouterr().out
     # the reward model is a prerequisite only for reward_source=model, and is not built when building is off
     with pytest.raises(FileNotFoundError, match="no reward model at .*none; run recipes/reward.py first"):

@@ -54,26 +54,37 @@ def _trainer(output_dir, tokenizer, counter, **kw):
                       processing_class=tokenizer)
 
 
-def test_dynamic_sampling_resumes_exactly(tmp_path, tokenizer):
+# 4 optimizer steps per rollout (12 steps, 3 rollouts), or one (3 steps, 3 rollouts: the loss's forward gives the old
+# log-probs, `old_logprobs_in_loss`, with a fixed beta); {checkpoint: first step of each later rollout}
+RESUME_CASES = {
+    "four_steps": (dict(), 12, {4: (5, 9), 6: (9,)}),
+    "one_step": (dict(gradient_accumulation_steps=4, max_steps=3, save_steps=1), 3, {1: (2, 3)}),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_dynamic_sampling_resumes_exactly(tmp_path, tokenizer, case):
+    options, steps, checkpoints = RESUME_CASES[case]
     calls = []
-    full = _trainer(tmp_path / "full", tokenizer, calls)
+    full = _trainer(tmp_path / "full", tokenizer, calls, **options)
+    assert full.args.old_logprobs_in_loss == (case == "one_step")
     full.train()
     reference = step_logs(full)
-    assert sorted(reference) == list(range(1, 13))
-    rounds = [reference[s]["filter/gen_batches"] for s in (1, 5, 9)]
-    assert len(calls) == sum(rounds) > 3  # groups were dropped and refilled, one generate call per round
-    assert sum(reference[s]["filter/dropped_groups"] for s in (1, 5, 9)) > 0
-    for step, later_rounds in {4: sum(rounds[1:]), 6: rounds[2]}.items():  # at a rollout boundary; mid-rollout
+    assert sorted(reference) == list(range(1, steps + 1))
+    firsts = range(1, steps + 1, steps // 3)
+    assert len(calls) == sum(reference[s]["filter/gen_batches"] for s in firsts) > 3  # refilled: a call per round
+    assert sum(reference[s]["filter/dropped_groups"] for s in firsts) > 0
+    for step, later in checkpoints.items():  # at a rollout boundary; mid-rollout
         run_dir = tmp_path / f"resume-{step}"
         shutil.copytree(tmp_path / "full" / f"checkpoint-{step}", run_dir / f"checkpoint-{step}")
         calls.clear()
-        resumed = _trainer(run_dir, tokenizer, calls)
+        resumed = _trainer(run_dir, tokenizer, calls, **options)
         resumed.train(resume_from_checkpoint=True)
         logs = step_logs(resumed, after=step)
-        assert sorted(logs) == list(range(step + 1, 13))
+        assert sorted(logs) == list(range(step + 1, steps + 1))
         for s, log in logs.items():
             assert log == reference[s], f"resumed from checkpoint-{step}, step {s}"
-        assert len(calls) == later_rounds
+        assert len(calls) == sum(reference[s]["filter/gen_batches"] for s in later)
 
 
 def test_dynamic_sampling_keeps_informative_groups_first(tmp_path, tokenizer):
