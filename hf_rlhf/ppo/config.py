@@ -35,7 +35,7 @@ REWARD_NORMALIZATIONS = ("none", "running", "model_stats")
 PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
 
 
-@renamed_options("init_kl_coef", "adap_kl_ctrl", "target", "horizon")
+@renamed_options("init_kl_coef", "adap_kl_ctrl", "target", "horizon", "epsilon")
 @dataclass
 class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     """PPO options (a `TrainingArguments`): every Trainer option works as usual.
@@ -101,7 +101,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             each sequence's token mean) or `dr_grpo` (token sum / (sequences x response_length)).
     GRPO options (TRL 1.16's `GRPOConfig` names; every estimator accepts them):
         epsilon_high: upper clip, ratio <= 1 + epsilon_high (DAPO's clip-higher, 0.28 there); the lower clip is
-            `cliprange` (TRL's `epsilon`, which is not taken as a second name: one option per meaning).
+            `cliprange` (TRL's `epsilon`, which is not taken as a second name: one option per meaning;
+            `epsilon=` is an error that names `cliprange`).
         importance_sampling_level: `token` (PPO's ratio) or `sequence` (GSPO: exp of the response's mean log-ratio).
             With `sequence`, `loss_type="grpo"` is GSPO's own reduction (TRL warns about the others; so does
             `PPOTrainer`).
