@@ -26,6 +26,7 @@ from ..configs import DeviceDefaultsMixin, InputCheckOptions, NonFiniteOptions
 from ..generation.engines import GENERATION_BACKENDS
 from .critic_free import LOSS_TYPES, SCALE_REWARDS
 from .kl import KL_ESTIMATORS
+from .losses import IMPORTANCE_SAMPLING_LEVELS
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 CRITIC_FREE = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -35,7 +36,7 @@ REWARD_NORMALIZATIONS = ("none", "running", "model_stats")
 PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
 
 
-@renamed_options("init_kl_coef", "adap_kl_ctrl", "target", "horizon")
+@renamed_options("init_kl_coef", "adap_kl_ctrl", "target", "horizon", "epsilon")
 @dataclass
 class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     """PPO options (a `TrainingArguments`): every Trainer option works as usual.
@@ -112,6 +113,20 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         loss_type: how the policy loss is reduced (TRL's GRPO names): `dapo` (token mean over the optimizer step's
             minibatch: the default, PPO's), `bnpo` (token mean per micro-batch), `grpo` (mean over sequences of
             each sequence's token mean) or `dr_grpo` (token sum / (sequences x response_length)).
+    GRPO options (TRL 1.16's `GRPOConfig` names; every estimator accepts them):
+        epsilon_high: upper clip, ratio <= 1 + epsilon_high (DAPO's clip-higher, 0.28 there); the lower clip is
+            `cliprange` (TRL's `epsilon`, which is not taken as a second name: one option per meaning;
+            `epsilon=` is an error that names `cliprange`).
+        importance_sampling_level: `token` (PPO's ratio) or `sequence` (GSPO: exp of the response's mean log-ratio).
+            With `sequence`, `loss_type="grpo"` is GSPO's own reduction (TRL warns about the others; so does
+            `PPOTrainer`).
+        mask_truncated_completions: responses without the stop token count in the group baselines but not in the
+            loss (DAPO's overlong filtering; needs a stop token).
+        filter_groups: DAPO's dynamic sampling (veRL's `algorithm.filter_groups`; TRL has none): prompt groups whose
+            rewards (raw score and missing-stop penalty) are all equal have zero advantage; they are dropped and
+            the rollout refilled with groups of further prompts, drawn by a seeded generator per (epoch, rollout,
+            round, rank), so resume needs no extra state; at most `max_num_gen_batches` generation rounds, after
+            which the rollout is completed with dropped groups. `filter/dropped_groups`, `filter/gen_batches` logged.
 
     Checkpoints may be taken at any step, also in the middle of a rollout's optimizer steps: the rollout being
     trained on is written into the checkpoint per rank (`ppo_experience_rank{r}.pt`) and read back on resume, so
@@ -211,6 +226,27 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     loss_type: str = field(
         default="dapo", metadata={"help": "Policy loss reduction: dapo, bnpo, grpo or dr_grpo (TRL's names).",
                                   "choices": list(LOSS_TYPES)},
+    )
+    epsilon_high: float | None = field(
+        default=None, metadata={"help": "Upper clip of the policy ratio, 1 + epsilon_high (DAPO's clip-higher, TRL's "
+                                        "name; DAPO uses 0.28). None: the same as the lower one, cliprange."},
+    )
+    importance_sampling_level: str = field(
+        default="token", metadata={"help": "Policy ratio per `token`, or per `sequence` (GSPO: the exp of the mean "
+                                           "log-ratio over the response) (TRL's name).",
+                                   "choices": list(IMPORTANCE_SAMPLING_LEVELS)},
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Leave responses that did not stop within response_length out of the loss "
+                                         "(DAPO's overlong filtering, TRL's name)."},
+    )
+    filter_groups: bool = field(
+        default=False, metadata={"help": "Dynamic sampling (DAPO; veRL's algorithm.filter_groups): drop prompt groups "
+                                         "whose rewards are all equal and refill the rollout from more prompts."},
+    )
+    max_num_gen_batches: int = field(
+        default=10, metadata={"help": "filter_groups: most generation rounds per rollout (veRL's name); a rollout "
+                                      "still short after them is completed with dropped groups."},
     )
 
     def __post_init__(self):
@@ -323,6 +359,14 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             (self.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {SCALE_REWARDS}, "
                                                   f"got {self.scale_rewards!r}"),
             (self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}"),
+            (self.epsilon_high is None or self.epsilon_high > 0, f"epsilon_high must be > 0 or None, "
+                                                                 f"got {self.epsilon_high}"),
+            (self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, f"importance_sampling_level must be one "
+             f"of {IMPORTANCE_SAMPLING_LEVELS}, got {self.importance_sampling_level!r}"),
+            (not self.filter_groups or self.advantage_estimator in GROUP_ESTIMATORS,
+             f"filter_groups drops prompt groups whose rewards are all equal: it needs a group estimator "
+             f"{GROUP_ESTIMATORS}, got advantage_estimator={self.advantage_estimator!r}"),
+            (self.max_num_gen_batches >= 1, f"max_num_gen_batches must be >= 1, got {self.max_num_gen_batches}"),
             (not (self.kl_in_loss and self.advantage_estimator == "gae"),
              "kl_in_loss is for the critic-free estimators; gae's KL is a reward penalty (its value function "
              "learns the penalised return)"),

@@ -18,6 +18,7 @@ from ..generation import build_engine
 from ..reward_models import unwrap_peft
 from ..rewards.base import RewardError, check_scores
 from ..tensors import first_true_indices, logprobs_from_logits
+from .critic_free import informative_groups, truncated_loss_mask
 from .estimators import estimate_advantages
 from .experience import Experience
 from .kl import kl_penalty, sequence_policy_stats
@@ -64,7 +65,7 @@ class RolloutMaker:
         self._engine_checked = False
 
     @torch.no_grad()
-    def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None):
+    def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None, refill=None):
         """One rollout.
 
         Args:
@@ -73,26 +74,22 @@ class RolloutMaker:
             kl_coef: β for this rollout's rewards.
             reward_moments: a `RunningMoments` for `reward_normalization="running"` (updated here).
             row_indices: the rows' dataset indices, named in reward errors.
+            refill: for `filter_groups`: `round -> (rows, row_indices)`, B more rows (G per prompt) for generation
+                round `round` >= 1; None: no refill (groups are not filtered).
 
         Returns:
             (Experience on the accelerator's device, {metric name: float}, identical on every rank).
         """
-        args, device = self.args, self.accelerator.device
-        # step 1. left-padded prompts (the last column is every row's last prompt token)
-        batch = self.collator(rows)
-        query_ids, query_mask = batch.pop("input_ids").to(device), batch.pop("attention_mask").to(device)
-        batch.pop("position_ids")  # every forward below builds its own from the masks (`sequence_inputs`)
-        prompts = batch.pop("prompt")
-
-        # step 2. sample responses with the KV cache, policy in eval mode (dropout off, as for the old log-probs)
-        response_ids = self._generate(model.policy, query_ids, query_mask)
-
-        # step 3. truncate after the first stop token: mask 1 up to and including it, pad after it
-        response_ids, response_mask, stopped = self._truncate(response_ids)
-
-        # step 4. score the decoded text (each reward source re-tokenizes it its own way)
-        completions = self._decode(response_ids, response_mask, conversational=isinstance(prompts[0], list))
-        raw_scores = self._score(prompts, completions, batch, row_indices).to(device)
+        args = self.args
+        if args.mask_truncated_completions and self.stop_token_id is None:
+            raise ValueError("mask_truncated_completions needs a stop token (stop_token='eos' or stop_token_id): "
+                             "without one every response runs to response_length and none would be trained on")
+        # steps 1-4. prompts, responses, scores (with `filter_groups`: only groups whose rewards differ, refilled)
+        sample = self._sample(model, rows, row_indices)
+        filter_stats = {}
+        if args.filter_groups and refill is not None:
+            sample, filter_stats = self._filter_groups(model, sample, refill)
+        query_ids, query_mask, response_ids, response_mask, stopped, raw_scores = sample
 
         # step 5. old log-probs and values of the policy, log-probs of the reference (eval mode, micro-batches);
         # with one optimizer step per rollout and no KL in the rewards, the loss's own forward gives the old
@@ -112,7 +109,71 @@ class RolloutMaker:
                                                            reduce)
         experience = Experience(query_ids, query_mask, response_ids, response_mask, old_logprobs, ref_logprobs,
                                 old_values, scores, rewards, advantages, returns)
-        return experience, self._stats(experience, kl, raw_scores, stopped, kl_coef)
+        stats = self._stats(experience, kl, raw_scores, stopped, kl_coef)
+        stats.update(filter_stats)
+        if args.mask_truncated_completions:  # counted in the baselines above, left out of the loss (as TRL)
+            experience.response_mask = truncated_loss_mask(response_mask, stopped)
+        return experience, stats
+
+    def _sample(self, model, rows, row_indices):
+        """(query_ids, query_mask, response_ids, response_mask, stopped, raw_scores) of one generation round."""
+        device = self.accelerator.device
+        # step 1. left-padded prompts (the last column is every row's last prompt token)
+        batch = self.collator(rows)
+        query_ids, query_mask = batch.pop("input_ids").to(device), batch.pop("attention_mask").to(device)
+        batch.pop("position_ids")  # every forward below builds its own from the masks (`sequence_inputs`)
+        prompts = batch.pop("prompt")
+
+        # step 2. sample responses with the KV cache, policy in eval mode (dropout off, as for the old log-probs)
+        response_ids = self._generate(model.policy, query_ids, query_mask)
+
+        # step 3. truncate after the first stop token: mask 1 up to and including it, pad after it
+        response_ids, response_mask, stopped = self._truncate(response_ids)
+
+        # step 4. score the decoded text (each reward source re-tokenizes it its own way)
+        completions = self._decode(response_ids, response_mask, conversational=isinstance(prompts[0], list))
+        raw_scores = self._score(prompts, completions, batch, row_indices).to(device)
+        return query_ids, query_mask, response_ids, response_mask, stopped, raw_scores
+
+    def _filter_groups(self, model, sample, refill):
+        """DAPO's dynamic sampling: keep groups whose rewards differ; generate more rounds until the rollout is full.
+
+        Every rank runs the same number of rounds (a generation may be collective, e.g. under ZeRO-3): rounds go on
+        while any rank is short, up to `max_num_gen_batches`; a rank still short then completes its rollout with
+        dropped groups (zero advantage: no gradient). The kept groups come in round order, the first ones first.
+        """
+        args, G = self.args, self.args.num_generations
+        wanted = sample[0].shape[0] // G
+        kept, dropped, rounds, dropped_count = [], [], 0, 0
+        while True:
+            keep = informative_groups(sample[5], G, sample[4] if self._stop_matters() else None)
+            rows = keep.repeat_interleave(G)
+            kept.append(tuple(t[rows] for t in sample))
+            dropped.append(tuple(t[~rows] for t in sample))
+            dropped_count += int((~keep).sum())
+            rounds += 1
+            short = max(wanted - sum(part[0].shape[0] for part in kept) // G, 0)
+            any_short = self.accelerator.reduce(torch.tensor(float(short), device=sample[0].device), reduction="sum")
+            if any_short.item() == 0 or rounds >= args.max_num_gen_batches:
+                break
+            sample = self._sample(model, *refill(rounds))
+        parts = kept + dropped  # dropped groups only complete a rollout still short after the last round
+        query_ids = _cat_left_padded([p[0] for p in parts], self.tokenizer.pad_token_id)
+        query_mask = _cat_left_padded([p[1] for p in parts], 0)
+        response_ids = _cat_right_padded([p[2] for p in parts], self.tokenizer.pad_token_id)
+        response_mask = _cat_right_padded([p[3] for p in parts], 0)
+        stopped, raw_scores = torch.cat([p[4] for p in parts]), torch.cat([p[5] for p in parts])
+        n = wanted * G
+        totals = self.accelerator.reduce(torch.tensor([float(dropped_count), float(max(wanted * G - sum(
+            p[0].shape[0] for p in kept), 0) // G)], device=stopped.device), reduction="sum")
+        stats = {"filter/dropped_groups": totals[0].item(), "filter/refilled_with_dropped": totals[1].item(),
+                 "filter/gen_batches": float(rounds)}
+        sample = (query_ids[:n], query_mask[:n], response_ids[:n], response_mask[:n], stopped[:n], raw_scores[:n])
+        width = int(sample[3].sum(1).max())  # the longest kept response: the rest is padding
+        return sample[:2] + (sample[2][:, :max(width, 1)], sample[3][:, :max(width, 1)]) + sample[4:], stats
+
+    def _stop_matters(self) -> bool:
+        return self.args.missing_eos_penalty is not None and self.stop_token_id is not None
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum")
@@ -240,3 +301,15 @@ class RolloutMaker:
                 self.args.missing_eos_penalty,
                 "applied" if self.args.missing_eos_penalty is not None else "not set, so nothing was subtracted")
         return stats
+
+
+def _cat_left_padded(parts: list[torch.Tensor], value) -> torch.Tensor:
+    """(B_i, L_i) tensors left-padded with `value` to the widest, concatenated: (Σ B_i, max L_i)."""
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([F.pad(p, (width - p.shape[1], 0), value=value) for p in parts])
+
+
+def _cat_right_padded(parts: list[torch.Tensor], value) -> torch.Tensor:
+    """(B_i, L_i) tensors right-padded with `value` to the widest, concatenated: (Σ B_i, max L_i)."""
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([F.pad(p, (0, width - p.shape[1]), value=value) for p in parts])

@@ -124,6 +124,9 @@ class PPOTrainer(BaseTrainer):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
+        if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":  # as TRL 1.16's GRPOTrainer
+            logger.warning("importance_sampling_level='sequence' with loss_type=%r weights each sequence's ratio by "
+                           "its length; GSPO's own objective is loss_type='grpo'", args.loss_type)
         if train_dataset is None:
             raise ValueError("PPOTrainer needs a train_dataset of prompts.")
         if ref_model is not None and ref_model is model:
@@ -238,7 +241,7 @@ class PPOTrainer(BaseTrainer):
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             get_global_step=lambda: self.state.global_step, get_resume_dir=lambda: self._resume_from,
             device=self.accelerator.device, extra_batch=self._ptx_batch if self.ptx_dataset is not None else None,
-            num_generations=args.num_generations)
+            num_generations=args.num_generations, refill=args.filter_groups)
         return self._loader
 
     def compute_rewards(self, prompts: list, completions: list, **columns) -> torch.Tensor:
@@ -259,12 +262,13 @@ class PPOTrainer(BaseTrainer):
         """
         return self.reward_source(prompts, completions, **columns)
 
-    def _make_experience(self, rows, indices):
+    def _make_experience(self, rows, indices, refill=None):
         # looked up at each rollout: a checkpoint restore may have replaced these callbacks in the handler
         kl = find_callback(self.callback_handler, KLControllerCallback).controller
         stats_cb = find_callback(self.callback_handler, RewardStatsCallback)
         model = self.accelerator.unwrap_model(self.model_wrapped)
-        experience, stats = self.rollout_maker.make(model, rows, kl.value, stats_cb and stats_cb.moments, indices)
+        experience, stats = self.rollout_maker.make(model, rows, kl.value, stats_cb and stats_cb.moments, indices,
+                                                    refill)
         if "objective/kl" in stats:  # absent with old_logprobs_in_loss, whose β is fixed (nothing to update)
             kl.update(stats["objective/kl"], self.args.rollout_batch_size * self.accelerator.num_processes)
         return experience, stats
@@ -292,6 +296,8 @@ class PPOTrainer(BaseTrainer):
         args, exp = self.args, Experience.from_dict(inputs)
         mask = exp.response_mask
         normalizer = num_items_in_batch if num_items_in_batch is not None else mask.sum()
+        if args.mask_truncated_completions:  # a minibatch of truncated responses only has no token (as TRL: >= 1)
+            normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=mask.device).clamp(min=1.0)
         extra = (inputs["ptx_input_ids"], inputs["ptx_attention_mask"]) if "ptx_input_ids" in inputs else None
         logits, values, ptx_logits = response_logits(model, exp.query_ids, exp.query_mask, exp.response_ids, mask,
                                                      args.temperature, extra_rows=extra)
@@ -300,7 +306,8 @@ class PPOTrainer(BaseTrainer):
         # the old ones (the rollout skipped its own policy forward; `PPOConfig.old_logprobs_in_loss`)
         old_logprobs = logprobs.detach() if args.old_logprobs_in_loss else exp.old_logprobs
         per_token_pg, pg_stats = policy_loss_per_token(logprobs, old_logprobs, exp.advantages, mask,
-                                                       args.cliprange)
+                                                       args.cliprange, args.epsilon_high,
+                                                       args.importance_sampling_level)
         per_token_loss, sums = per_token_pg, {"loss/policy_avg": masked_sum(per_token_pg.detach(), mask)}
         if args.kl_in_loss and args.uses_reference:  # GRPO: β·KL per token, β the rollout's (the controller's)
             kl = kl_penalty(logprobs, exp.ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)

@@ -218,7 +218,8 @@ def test_command_line_values_are_parsed_then_checked(tmp_path):
                                            (PPOConfig, "init_kl_coef", "kl_coef"),
                                            (PPOConfig, "adap_kl_ctrl", "kl_target"),
                                            (PPOConfig, "target", "kl_target"),
-                                           (PPOConfig, "horizon", "kl_horizon")])
+                                           (PPOConfig, "horizon", "kl_horizon"),
+                                           (PPOConfig, "epsilon", "cliprange")])  # TRL GRPOConfig's name
 def test_old_option_names_name_the_new_one(tmp_path, cls, old, new):
     kwargs = {} if cls is DataOptions else {"output_dir": str(tmp_path)}
     with pytest.raises(TypeError, match=f"{cls.__name__}: '{old}' is no longer an option: use '{new}'"):
@@ -236,6 +237,7 @@ def test_other_unknown_options_stay_plain_errors(tmp_path):
     ((ModelConfig, SFTConfig), ["--model_name_or_path=m", "--max-seq-length=512"], "max_seq_length"),
     ((ModelConfig, PPOConfig), ["--model_name_or_path", "m", "--init_kl_coef", "0.1"], "init_kl_coef"),
     ((ModelConfig, PPOConfig), ["--model_name_or_path", "m", "--adap_kl_ctrl", "true"], "adap_kl_ctrl"),
+    ((ModelConfig, PPOConfig), ["--model_name_or_path", "m", "--epsilon", "0.2"], "epsilon"),
 ])
 def test_old_option_names_on_the_command_line(types, argv, old):
     with pytest.raises(TypeError, match=f"'{old}' is no longer an option: use '{RENAMED[old][0]}'"):
@@ -273,3 +275,16 @@ def test_dft_loss_by_hand():
     logits.requires_grad_(True)
     dft_loss(logits, labels).backward()
     assert logits.grad[0, 2].abs().sum() == 0  # the last position predicts nothing
+
+
+def test_an_old_option_name_ends_a_recipe_with_one_line(capsys):
+    """`recipes/ppo.py --epsilon 0.2` (TRL GRPO's name): `[hf_rlhf] error: ...` naming cliprange, exit 1, no traceback."""
+    from hf_rlhf.cli.errors import run_recipe
+
+    def main():
+        parse_recipe_args((ModelConfig, PPOConfig), ["--model_name_or_path", "m", "--epsilon", "0.2"], "unused.yaml")
+
+    with pytest.raises(SystemExit) as exit_:
+        run_recipe(main)
+    message = str(exit_.value.code)
+    assert message.startswith("[hf_rlhf] error: ") and "use 'cliprange'" in message and "\n" not in message
