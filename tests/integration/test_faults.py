@@ -146,7 +146,24 @@ def _slow_saves(target: str):
     modeling_utils.safe_save_file = slow_safe_save
 
 
+def _own_progress_bar_lock():
+    """tqdm's write lock holds a multiprocessing RLock: a POSIX semaphore shared with the forked child. A child
+    killed inside a bar (transformers' "Writing model shards", right before model.safetensors) would leave it taken
+    and the parent's next bar (the resume's weight loading) would wait forever: this hung CI for 85 minutes. The
+    child gets locks of its own."""
+    from tqdm.std import TqdmDefaultWriteLock, tqdm
+
+    TqdmDefaultWriteLock.mp_lock = multiprocessing.get_context("fork").RLock()
+    classes = [tqdm]
+    while classes:  # every bar class that made its own lock (tqdm.auto's, datasets', transformers' ...)
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if "_lock" in vars(cls) or cls is tqdm:
+            cls.set_lock(TqdmDefaultWriteLock())
+
+
 def _train_in_child(kind, output_dir, tokenizer, target_step):
+    _own_progress_bar_lock()
     _slow_saves(f"checkpoint-{target_step}")
     build(kind, output_dir, tokenizer, callbacks=[_MarkSteps(str(output_dir), target_step - 1)]).train()
 
@@ -181,6 +198,35 @@ def kill_when(process, predicate, timeout=120.0):
     os.kill(process.pid, signal.SIGKILL)
     process.join()
     assert process.exitcode == -signal.SIGKILL
+
+
+def _hold_the_bar_lock_until_killed():
+    from transformers.utils import logging as hf_logging
+
+    _own_progress_bar_lock()
+    hf_logging.tqdm.get_lock().acquire()  # as inside "Writing model shards" when the kill lands
+    time.sleep(60)
+
+
+def test_a_child_killed_inside_a_progress_bar_leaves_the_parents_bars_working():
+    """The regression behind an 85-minute CI hang: with the child's own bar locks the parent's next bar runs."""
+    import threading
+
+    from datasets.utils import tqdm as datasets_tqdm
+    from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
+
+    list(tqdm(range(1)))  # the parent has made its locks before the fork, as a test session has
+    child = multiprocessing.get_context("fork").Process(target=_hold_the_bar_lock_until_killed)
+    child.start()
+    time.sleep(2)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    bars = threading.Thread(target=lambda: [list(bar(range(1))) for bar in (tqdm, hf_logging.tqdm, datasets_tqdm)],
+                            daemon=True)
+    bars.start()
+    bars.join(timeout=20)
+    assert not bars.is_alive(), "the parent's progress bar waits for a lock the killed child held"
 
 
 @pytest.mark.parametrize("kind", ["sft", "reward", "dpo", "ppo"])
