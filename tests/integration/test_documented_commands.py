@@ -40,6 +40,9 @@ TINY = {
             "--gradient_accumulation_steps", "1", "--rollout_batch_size", "8", "--num_ppo_epochs", "1",
             "--logging_steps", "1", "--max_steps", "1", "--sample_prompts", "0", "--plot", "false",
             "--disable_tqdm", "true", "--build_missing", "false"],
+    "dpo": ["--toy_train_size", "16", "--toy_test_size", "4", "--max_steps", "1", "--per_device_train_batch_size", "8",
+            "--per_device_eval_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true",
+            "--build_missing", "false"],
 }
 
 
@@ -171,6 +174,8 @@ def few_steps(name: str, args: list[str], out: str, prebuilt: dict) -> list[str]
     """The options appended to a toy command: a few steps, outputs under `out`, the prebuilt models."""
     extra = [*TINY[name], "--output_dir", out]
     if name == "reward":
+        extra += ["--sft_model_path", prebuilt["sft"]]
+    if name == "dpo":
         extra += ["--sft_model_path", prebuilt["sft"]]
     if name == "ppo":
         extra += ["--sft_model_path", prebuilt["sft"], "--reward_model_path", prebuilt["reward"]]
