@@ -78,3 +78,114 @@ def finish(output: str, command: str, report: dict, packages: tuple[str, ...], s
           + "".join(f"\n\n{title}:\n\n{text}" for title, text in sections.items())
           + f"\n\nReproduce: `{command}`")
     write_report(output, {"command": command, **report}, versions(packages, **fixed_versions))
+
+
+# ----------------------------------------------------------------------------------------------- pair benchmarks
+# bench/reward.py and bench/dpo.py: pairs/s of hf_rlhf's pair layouts against TRL's trainer, same driver
+
+
+def check_same_pair_work(runs: list[dict], settings: dict, loss_exempt: tuple[str, ...] = ()) -> None:
+    """Every run trained on every pair once, on the same real tokens, fp32 (the losses agree: same data order;
+    configurations in `loss_exempt` compute the loss another way and are not compared)."""
+    for key in ("pairs", "real_tokens", "steps"):
+        values = {run[key] for run in runs}
+        if len(values) != 1:
+            raise AssertionError(f"runs trained on different work: {key} = {sorted(values)}")
+    if runs[0]["pairs"] != settings["pairs"] * settings["epochs"]:
+        raise AssertionError(f"runs did not see every pair: {runs[0]}")
+    if any(run["bf16"] for run in runs):
+        raise AssertionError("a run used bf16")
+    losses = [run["train_loss"] for run in runs if run["config"] not in loss_exempt]
+    if max(losses) - min(losses) > 1e-3:
+        raise AssertionError(f"train losses differ across configurations: {losses}")
+
+
+def summarize_pairs(runs: list[dict], configs: list[str], repeats: int, reference: str) -> dict:
+    """config -> pairs/s per round, their median, and (with `reference` run) the per-round ratios and their median."""
+    import statistics
+
+    by = {(run["round"], run["config"]): run for run in runs}
+    summary = {}
+    for name in configs:
+        pps = [by[r, name]["pairs_per_s"] for r in range(repeats)]
+        entry = {"pairs_per_s": pps, "median_pairs_per_s": statistics.median(pps), "steps": by[0, name]["steps"],
+                 "positions_per_pair": by[0, name]["positions_per_pair"], "train_loss": by[0, name]["train_loss"],
+                 "activation_checkpointing": by[0, name]["activation_checkpointing"]}
+        if reference in configs:
+            ratios = [by[r, name]["pairs_per_s"] / by[r, reference]["pairs_per_s"] for r in range(repeats)]
+            entry["ratios_vs_trl"] = ratios
+            entry["median_ratio_vs_trl"] = statistics.median(ratios)
+        summary[name] = entry
+    return summary
+
+
+def pairs_table(summary: dict) -> str:
+    lines = ["| config | median pairs/s | median ratio vs TRL | positions computed per pair | train loss |",
+             "|---|---:|---:|---:|---:|"]
+    for name, entry in summary.items():
+        ratio = f"{entry['median_ratio_vs_trl']:.2f}×" if "median_ratio_vs_trl" in entry else "–"
+        lines.append(f"| {name} | {entry['median_pairs_per_s']:,.1f} | {ratio} | {entry['positions_per_pair']:.1f} "
+                     f"| {entry['train_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def pair_benchmark_main(argv: list[str] | None, *, script: str, description: str, default_configs: tuple,
+                        extra_configs: tuple, presets: dict, worker, model_note, reference: str = "trl",
+                        loss_exempt: tuple[str, ...] = ()) -> None:
+    """The command line of a pair benchmark: `--worker NAME` runs one configuration (`worker(name, settings,
+    threads) -> dict`, printed as JSON); otherwise every configuration runs in its own subprocess, rounds
+    interleaved, and the medians, paired ratios and notes (`model_note(settings, first_run) -> str`) are printed
+    and written to `--output`."""
+    import argparse
+
+    name = Path(script).stem
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--quick", action="store_true", help="tiny data and model: a smoke run of < 60 s")
+    parser.add_argument("--output", default=f"bench/results/{name}.json", help="JSON results path")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads in every run (default 1: on a shared 2-core machine, 2 threads wait on "
+                             "each other whenever one is descheduled)")
+    parser.add_argument("--configs", default=",".join(default_configs),
+                        help=f"comma-separated, from {default_configs + extra_configs}")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    cli = parser.parse_args(argv)
+    settings = presets["quick" if cli.quick else "full"]
+
+    if cli.worker:
+        print(json.dumps(worker(cli.worker, settings, cli.threads)))
+        return
+
+    configs = [c.strip() for c in cli.configs.split(",") if c.strip()]
+    unknown = set(configs) - set(default_configs + extra_configs)
+    if unknown:
+        parser.error(f"unknown configs {sorted(unknown)}")
+    command = f"python bench/{name}.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    runs = []
+    for r in range(cli.repeats):
+        for config in configs:
+            run = {"round": r, **run_worker(script, ["--worker", config, "--threads", str(cli.threads)]
+                                            + (["--quick"] if cli.quick else []))}
+            runs.append(run)
+            print(f"round {r + 1}/{cli.repeats} {config:>15}: {run['pairs_per_s']:7.1f} pairs/s ({run['pairs']} "
+                  f"pairs, {run['real_tokens']:,} real tokens, {run['positions_per_pair']:.1f} positions/pair, "
+                  f"{run['steps']} steps, {run['seconds']:.1f} s, loss {run['train_loss']:.4f}, "
+                  f"load {run['load_before']:.1f})", flush=True)
+    check_same_pair_work(runs, settings, loss_exempt)
+    summary = summarize_pairs(runs, configs, cli.repeats, reference)
+    first = runs[0]
+    notes = [
+        f"Same work in every run: {first['pairs']} toy preference pairs ({first['real_tokens']:,} real tokens), "
+        f"1 epoch, batch {settings['batch_size']} pairs, {first['steps']} optimizer steps, same data order (the "
+        "train losses agree).",
+        model_note(settings, first),
+        f"Medians of {cli.repeats} interleaved rounds; ratios are medians of per-round ratios. Shared machine: "
+        f"load average {min(r['load_before'] for r in runs):.1f}–{max(r['load_before'] for r in runs):.1f} "
+        f"on {os.cpu_count()} cores.",
+    ]
+    if reference in configs:
+        notes.append("Per-round ratios vs trl: " + "; ".join(
+            f"{n} {', '.join(f'{x:.2f}' for x in e['ratios_vs_trl'])}" for n, e in summary.items() if n != reference))
+    finish(cli.output, command, {"settings": settings, "configs": configs, "summary": summary,
+                                 "table": pairs_table(summary), "notes": notes, "runs": runs},
+           ("torch", "transformers", "trl", "datasets", "accelerate"))
