@@ -1,0 +1,130 @@
+"""Run TRL's own SFT and reward test modules against trl and against hf_rlhf (issue 20).
+
+    git -C <trl mirror> archive HEAD tests scripts | tar -x -C /tmp/trl-src
+    PYTHONPATH=. python tests/compat/trl_tests/run_trl_tests.py --trl-tests /tmp/trl-src
+
+Copies ``tests/test_sft_trainer.py``, ``tests/test_reward_trainer.py`` and the helpers they import into a temp
+package twice: once as they are, once with only the ``from trl import SFTConfig, SFTTrainer`` /
+``from trl import RewardConfig, RewardTrainer`` lines rewritten to ``from hf_rlhf import ...``.  Each copy runs in
+a pytest subprocess with ``trl_offline_plugin`` (offline tiny models, zen datasets, n/a skips, per-test timeout).
+Prints per module: collected, not applicable, passed on trl, passed on hf_rlhf, and the tests that pass on trl but
+fail on hf_rlhf grouped by their first error line.  TRL's files are never copied into this repository.
+"""
+
+import argparse
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+HERE = Path(__file__).resolve().parent
+MODULES = ["test_sft_trainer.py", "test_reward_trainer.py"]
+HELPERS = ["__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py"]
+REWRITES = {
+    "from trl import SFTConfig, SFTTrainer": "from hf_rlhf import SFTConfig, SFTTrainer",
+    "from trl import RewardConfig, RewardTrainer": "from hf_rlhf import RewardConfig, RewardTrainer",
+}
+
+
+def prepare(trl_tests, dest, target):
+    pkg = dest / "trl_tests"  # not "tests": hf_rlhf has a tests package on the path too
+    pkg.mkdir(parents=True)
+    for name in MODULES + HELPERS:
+        text = (trl_tests / name).read_text()
+        if target == "hf_rlhf" and name in MODULES:
+            hits = [line for line in REWRITES if line in text]
+            assert hits, f"no trainer import line found in {name}"
+            for line in hits:
+                text = text.replace(line, REWRITES[line])
+        (pkg / name).write_text(text)
+    shutil.copytree(trl_tests / "data", pkg / "data")  # chat templates etc. for the lazy_shared_datadir fixture
+    return pkg
+
+
+def run_pytest(pkg, module, junit, timeout, extra):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_HUB_CACHE=str(Path(os.environ["TRL_OFFLINE_CACHE"]) / "hub"), TRL_TEST_TIMEOUT=str(timeout),
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               CUDA_VISIBLE_DEVICES="", WANDB_DISABLED="true")
+    cmd = [sys.executable, "-m", "pytest", str(pkg / module), "-p", "trl_offline_plugin", "-p", "no:cacheprovider",
+           "-q", "-rN", "--tb=line", f"--junitxml={junit}", f"--rootdir={pkg.parent}", *extra]
+    return subprocess.Popen(cmd, cwd=pkg.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def parse(junit):
+    """test name -> ("passed" | "skipped" | "failed", first error line, skip reason)"""
+    results = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = case.get("name")
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skip = case.find("skipped")
+        if bad is not None:
+            message = (bad.get("message") or bad.text or "").strip().splitlines()
+            results[name] = ("failed", message[0][:160] if message else "?")
+        elif skip is not None:
+            results[name] = ("skipped", skip.get("message", ""))
+        else:
+            results[name] = ("passed", "")
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trl-tests", required=True, type=Path,
+                        help="a TRL source tree (holding tests/ and scripts/generate_zen_dataset.py)")
+    parser.add_argument("--timeout", type=int, default=300, help="per-test timeout in seconds")
+    parser.add_argument("--cache", default=os.environ.get("TRL_OFFLINE_CACHE", "/tmp/hf_rlhf_trl_offline"))
+    parser.add_argument("--modules", nargs="*", default=MODULES)
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --), e.g. -k train")
+    args = parser.parse_args(argv)
+    os.environ["TRL_OFFLINE_CACHE"] = args.cache
+    sys.path.insert(0, str(HERE))
+    import trl_offline_plugin
+
+    trl_offline_plugin.build_cache(args.trl_tests / "scripts")
+    rows, lost = [], collections.defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        pkgs = {t: prepare(args.trl_tests / "tests", tmp / t, t) for t in ("trl", "hf_rlhf")}
+        for module in args.modules:
+            junits = {t: tmp / f"{t}-{module}.xml" for t in pkgs}  # both targets side by side
+            procs = [run_pytest(pkg, module, junits[t], args.timeout, args.pytest_args) for t, pkg in pkgs.items()]
+            for proc in procs:
+                proc.wait()
+            res = {t: parse(junit) for t, junit in junits.items()}
+            trl, ours = res["trl"], res["hf_rlhf"]
+            na = sorted(n for n, r in trl.items() if r[0] == "skipped")
+            na_ours = sorted(n for n, r in ours.items() if r[0] == "skipped")
+            if na != na_ours:
+                print(f"warning: {module}: skipped sets differ: {sorted(set(na) ^ set(na_ours))}")
+            passed = [n for n, r in trl.items() if r[0] == "passed"]
+            ok = [n for n in passed if ours.get(n, ("?",))[0] == "passed"]
+            rows.append((module, len(trl), len(na), len(passed), len(ok),
+                         sum(1 for r in ours.values() if r[0] == "passed")))
+            for n in passed:
+                if ours.get(n, ("?",))[0] != "passed":
+                    lost[ours.get(n, ("missing", "not run"))[1]].append(f"{module}::{n}")
+            for n, r in trl.items():
+                if r[0] == "failed":
+                    print(f"fails on trl too: {module}::{n}: {r[1]}")
+    print()
+    print("| module | collected | n/a | pass on trl | pass on hf_rlhf (of those) | pass on hf_rlhf (all) |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+    print()
+    print("Pass on trl, not on hf_rlhf, grouped by first error line:")
+    for cause, names in sorted(lost.items(), key=lambda kv: -len(kv[1])):
+        print(f"- {len(names)} x {cause}")
+        for n in names:
+            print(f"    {n}")
+    return 0 if not lost else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
