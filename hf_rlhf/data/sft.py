@@ -170,6 +170,7 @@ class _SFTTokenizeSpec:
     truncate: bool
     loss_masks: tuple[str, ...]  # masks that must keep a 1 after truncation
     checks: dict | None = None   # streamed rows: validated here, just before tokenization
+    chat_template: str | None = None  # TRL's training template for assistant_only_loss, else the tokenizer's
 
 
 def _tokenize_chat(tokenizer, messages, assistant_only_loss: bool, index: int, field: str,
@@ -187,6 +188,13 @@ def _tokenize_chat(tokenizer, messages, assistant_only_loss: bool, index: int, f
     return row
 
 
+def _template_kwargs(row: dict, spec: _SFTTokenizeSpec) -> dict:
+    kwargs = chat_template_row_kwargs(row)
+    if spec.chat_template is not None:
+        kwargs["chat_template"] = spec.chat_template
+    return kwargs
+
+
 def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
     tok = spec.tokenizer
     for field, check in (spec.checks or {}).items():
@@ -198,9 +206,9 @@ def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
         out = tokenize_prompt_completion(tok, row["prompt"], row["completion"], spec.prefix, spec.eos_id)
     elif spec.fmt == "conversational":
         out = _tokenize_chat(tok, row["messages"], spec.assistant_only_loss, index, "messages",
-                             chat_template_row_kwargs(row))
+                             _template_kwargs(row, spec))
     else:  # conversational_prompt_completion
-        template_kwargs = chat_template_row_kwargs(row)
+        template_kwargs = _template_kwargs(row, spec)
         prompt_ids = tok.apply_chat_template(
             list(row["prompt"]), tokenize=True, return_dict=True, add_generation_prompt=True,
             **template_kwargs)["input_ids"]
@@ -275,10 +283,10 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
 
     # step 2. tokenizer: chat template, eos, default leading special tokens
     resolve_chat_template(tokenizer, opts.chat_template_path)
-    eos_id = prefix = None
+    eos_id = prefix = chat_template = None
     if fmt in CONVERSATIONAL_FORMATS:
         # the template writes its own bos / end of turn
-        check_chat_template(tokenizer, fmt, opts.assistant_only_loss, f"{owner}.chat_template_path")
+        chat_template = check_chat_template(tokenizer, fmt, opts.assistant_only_loss, f"{owner}.chat_template_path")
     else:
         eos_id = eos_token_id(tokenizer, opts.eos_token, f"{owner}.eos_token")
         prefix = special_prefix(tokenizer)
@@ -288,7 +296,7 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
         ("assistant_masks",) if opts.assistant_only_loss else ())
     spec = _SFTTokenizeSpec(fmt, tokenizer, opts.dataset_text_field, prefix, eos_id, opts.assistant_only_loss,
                             opts.max_length, opts.overlong_policy == "truncate", loss_masks,
-                            checks if streamed else None)
+                            checks if streamed else None, chat_template)
     field = {"text": opts.dataset_text_field, "prompt_completion": "prompt+completion",
              "conversational": "messages", "conversational_prompt_completion": "prompt+completion"}[fmt]
     tokenized, stats = tokenize_rows(dataset, _tokenize_sft_row, spec, opts, field, "Tokenizing SFT dataset",

@@ -160,26 +160,45 @@ def _chat_template(tokenizer) -> str | None:
 
 
 def check_chat_template(tokenizer, fmt: str, assistant_only_loss: bool,
-                        option: str = "chat_template_path") -> None:
-    """Raise a ValueError that says how to fix it if conversational data cannot be tokenized.
+                        option: str = "chat_template_path") -> str | None:
+    """Raise a ValueError that says how to fix it if conversational data cannot be tokenized; else the template to
+    tokenize with.
+
+    With `assistant_only_loss` and a template without `{% generation %}` markers, the training version of a known
+    model's stock template that TRL ships is used for tokenization, as TRL swaps it in
+    (`trl.chat_template_utils.get_training_chat_template`); the tokenizer keeps its own template (inference).
 
     Args:
         tokenizer: the tokenizer.
         fmt: the dataset's format, for the error ("conversational" names the `messages` column).
         assistant_only_loss: the template must also mark assistant content with `{% generation %}`.
         option: the option that sets a template, for the error (e.g. "SFTConfig.chat_template_path").
+
+    Returns:
+        None to tokenize with the tokenizer's template, or TRL's training template (a Jinja string).
     """
     template = _chat_template(tokenizer)
     if template is None:
         column = "messages" if fmt == "conversational" else "prompt/completion messages"
         raise ValueError(f"dataset is conversational ({column!r}) but the tokenizer has no chat template; "
                          f"set {option} to a Jinja file or a tokenizer directory")
-    if assistant_only_loss and not _GENERATION_TAG.search(template):
+    if not assistant_only_loss or _GENERATION_TAG.search(template):
+        return None
+    from trl.chat_template_utils import get_training_chat_template
+
+    try:
+        training = get_training_chat_template(tokenizer)
+    except ValueError:  # not one of the stock templates TRL ships a training version of
+        training = None
+    if training is None or not _GENERATION_TAG.search(training):
         raise ValueError(
             "assistant_only_loss=True needs a chat template that wraps assistant content in "
-            "{% generation %} ... {% endgeneration %}, and the tokenizer's template has no such markers "
-            f"(every assistant mask would be all zeros). Add them and pass the template with {option}, "
-            "or set assistant_only_loss=False.")
+            "{% generation %} ... {% endgeneration %}; the tokenizer's template has no such markers and is not one of "
+            "the stock templates TRL ships a training version of (every assistant mask would be all zeros). Add the "
+            f"markers and pass the template with {option}, or set assistant_only_loss=False.")
+    logger.info("assistant_only_loss: tokenizing with TRL's training version of the tokenizer's chat template "
+                "(it marks the assistant turns with {%% generation %%}); the tokenizer keeps its own template.")
+    return training
 
 
 # ---------------------------------------------------------------------------------------------------

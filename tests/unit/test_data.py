@@ -539,3 +539,21 @@ def test_row_chat_template_kwargs_and_tools_reach_the_template():
     texts = [tok.decode(row) for row in ids]
     assert texts[0] == "user: hi!|assistant: yo!|"
     assert texts[1] == "user: hi|assistant: yo|tools=1"
+
+
+def test_assistant_only_loss_with_a_stock_template_uses_trls_training_version():
+    """As TRL: Qwen2.5's stock template has no {% generation %} markers; TRL's shipped training version of it marks
+    the assistant turns, and tokenization uses it while the tokenizer keeps its own (inference) template."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tok = build_tokenizer(chat_template=qwen2_5_chat_template, bos=False)
+    rows = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                          {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]}]
+    out = prepare_sft_dataset(rows, tok, sft_args(assistant_only_loss=True))
+    ids, mask = out[0]["input_ids"], out[0]["assistant_masks"]
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    # both answers with their end of turn (TRL's template also marks the newline after the role), no user text
+    assert trained.replace("\n", "") == "4<|im_end|>6<|im_end|>", trained
+    assert tok.chat_template == qwen2_5_chat_template
+    # the text is the stock template's: training changes which tokens are masked, not what the model sees
+    assert tok.decode(ids) == tok.apply_chat_template(rows[0]["messages"], tokenize=False)
