@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "AdaptiveKLController": "hf_rlhf.ppo.kl",
+    "DPOConfig": "hf_rlhf.configs",
+    "DPOTrainer": "hf_rlhf.trainers.dpo",
     "FixedKLController": "hf_rlhf.ppo.kl",
     "ModelConfig": "hf_rlhf.configs",
     "PPOConfig": "hf_rlhf.ppo.config",
@@ -28,9 +30,10 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .configs import ModelConfig, RewardConfig, SFTConfig
+    from .configs import DPOConfig, ModelConfig, RewardConfig, SFTConfig
     from .ppo.config import PPOConfig
     from .ppo.kl import AdaptiveKLController, FixedKLController
+    from .trainers.dpo import DPOTrainer
     from .trainers.ppo import PPOTrainer
     from .trainers.reward import RewardTrainer
     from .trainers.sft import SFTTrainer

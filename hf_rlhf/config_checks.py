@@ -27,6 +27,8 @@ RENAMED: dict[str, tuple[str, str]] = {
                                   "a fixed kl_coef"),
     "target": ("kl_target", "the adaptive KL controller's target KL; None for a fixed kl_coef"),
     "horizon": ("kl_horizon", "the adaptive KL controller's horizon"),
+    "epsilon": ("cliprange", "TRL GRPOConfig's epsilon, the ratio's lower clip (and upper one unless epsilon_high "
+                             "is set), is PPOConfig's cliprange"),
     "tokenizer": ("processing_class", "transformers and TRL renamed the trainer argument tokenizer to "
                                       "processing_class"),
 }
@@ -36,10 +38,14 @@ RENAMED: dict[str, tuple[str, str]] = {
 _SAFE_TRAINING_ARGS_TYPES = (bool, int, float)
 
 
+class RenamedOptionError(TypeError):
+    """An option under an old (or another library's) name; the message names the option to use instead."""
+
+
 def renamed_error(name: str, owner: str) -> TypeError:
     """The error for the old option `name` of `owner` (a class or function name)."""
     new, note = RENAMED[name]
-    return TypeError(f"{owner}: {name!r} is no longer an option: use {new!r} ({note}).")
+    return RenamedOptionError(f"{owner}: {name!r} is no longer an option: use {new!r} ({note}).")
 
 
 def check_renamed(names, owner: str, known=RENAMED) -> None:

@@ -8,6 +8,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .errors import RecipeOptionError
+
 
 def load_text_dataset(script_args, validate: Callable | None = None):
     """(train, test-or-None) from a hub id, a dataset directory or a json/jsonl/csv/parquet file.
@@ -87,12 +89,25 @@ def load_prompt_data(script_args, model_config, args) -> PromptData:
     return PromptData(train, test)
 
 
-def load_reward_function(spec: str) -> Callable:
-    """The function named by `spec`, "package.module:function"."""
+def load_reward_function(spec: str | None) -> Callable:
+    """The function named by `spec`, "package.module:function".
+
+    Raises:
+        RecipeOptionError: (one line on the command line) `spec` is missing or malformed, its module cannot be
+            imported, or the module has no such callable.
+    """
     module, _, name = (spec or "").partition(":")
     if not module or not name:
-        raise ValueError(f"reward_function must look like 'package.module:function', got {spec!r}")
-    return getattr(importlib.import_module(module), name)
+        raise RecipeOptionError(f"--reward_source function needs --reward_function 'package.module:function' (the "
+                                f"reward (prompts, completions, **columns) -> list[float]), got {spec!r}")
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as e:
+        raise RecipeOptionError(f"--reward_function {spec}: cannot import {module!r} ({e})") from None
+    function = getattr(loaded, name, None)
+    if not callable(function):
+        raise RecipeOptionError(f"--reward_function {spec}: module {module!r} has no function {name!r}")
+    return function
 
 
 def tokenize_first(train, test, prepare, tokenizer, training_args):

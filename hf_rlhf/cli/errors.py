@@ -15,9 +15,10 @@ def run_recipe(main: Callable):
     Returns:
         what `main()` returns (a recipe's results).
     """
+    from ..config_checks import RenamedOptionError
     from ..data import DataFileError, DataValidationError
 
     try:
         return main()
-    except (DataFileError, DataValidationError, RecipeOptionError) as e:
+    except (DataFileError, DataValidationError, RecipeOptionError, RenamedOptionError) as e:
         raise SystemExit(f"[hf_rlhf] error: {e}") from None

@@ -27,15 +27,19 @@ from .critic_free import (
     aggregate_loss,
     broadcast_to_tokens,
     grpo_advantages,
+    informative_groups,
     reinforce_pp_advantages,
     rloo_advantages,
+    truncated_loss_mask,
     whiten_advantages,
 )
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
-from .losses import policy_loss, value_loss
+from .losses import (IMPORTANCE_SAMPLING_LEVELS, importance_log_weights, policy_loss, policy_loss_per_token,
+                     value_loss)
 from .running_moments import RunningMoments
 
 __all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
     "KL_ESTIMATORS",
     "LOSS_TYPES",
     "SCALE_REWARDS",
@@ -46,11 +50,15 @@ __all__ = [
     "broadcast_to_tokens",
     "gae",
     "grpo_advantages",
+    "importance_log_weights",
+    "informative_groups",
     "kl_penalty",
     "per_token_rewards",
     "policy_loss",
+    "policy_loss_per_token",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "truncated_loss_mask",
     "value_loss",
     "whiten_advantages",
 ]

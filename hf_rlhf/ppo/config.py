@@ -23,17 +23,20 @@ from transformers import TrainingArguments
 
 from ..config_checks import check_field_types, renamed_options
 from ..configs import DeviceDefaultsMixin, InputCheckOptions, NonFiniteOptions
+from ..generation.engines import GENERATION_BACKENDS
 from .critic_free import LOSS_TYPES, SCALE_REWARDS
 from .kl import KL_ESTIMATORS
+from .losses import IMPORTANCE_SAMPLING_LEVELS
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 CRITIC_FREE = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # a baseline from the prompt's G samples
+TRL_NUM_GENERATIONS = 8  # trl.GRPOConfig's / trl.RLOOConfig's default number of completions per prompt
 REWARD_NORMALIZATIONS = ("none", "running", "model_stats")
 PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
 
 
-@renamed_options("init_kl_coef", "adap_kl_ctrl", "target", "horizon")
+@renamed_options("init_kl_coef", "adap_kl_ctrl", "target", "horizon", "epsilon")
 @dataclass
 class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     """PPO options (a `TrainingArguments`): every Trainer option works as usual.
@@ -60,6 +63,17 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     Generation:
         response_length: max new tokens (TRL's name). temperature, top_k (0: off), top_p: sampling; the
             log-probabilities of training use the same temperature. generation_kwargs: extra `generate` arguments.
+        generation_backend: the rollout's generation engine (`hf_rlhf.generation`). "generate": transformers'
+            `generate` with the dynamic KV cache (the reference). "static": a pre-allocated static KV cache with the
+            decoding forward compiled (`torch.compile`), prompts left-padded to multiples of 32 columns so a new
+            prompt length reuses its bucket's graph; it pays a one-off compile per (batch, bucket) shape
+            (tens of seconds on CPU), logged and counted in the engine's stats. Same greedy tokens as
+            "generate" on every zoo architecture.
+            Default "generate" on every device: on this project's loaded 2-core CPU (bench/generation.py, README
+            "Benchmarks") compiled "static" decoded a 42M Llama at 1.14x generate's tokens/s (per-round ratios 1.35
+            and 0.94: within the machine's noise) and the 0.9M toy at 0.83x, after 24-28 s of compile per (batch,
+            bucket) shape, so compile included it was 0.59x / 0.13x over 4 batches; the eager static cache alone is
+            no faster; no GPU was measured here. Try "static" for long runs with one batch shape, on GPUs above all.
         stop_token: "eos" (default) or None; stop_token_id: an explicit stop token (wins over stop_token). The
             response ends after the first stop token; tokens after it are padding.
         missing_eos_penalty: subtracted from the score of a response that never produced the stop token.
@@ -70,7 +84,9 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             with `store_reward_stats=True`). reward_clip: clip normalised scores to [-c, c].
         Order: normalise, clip, then subtract `missing_eos_penalty`.
     KL:
-        kl_coef: β (the initial value when adaptive). kl_estimator: k1, k2 or k3 (`hf_rlhf.ppo.kl_penalty`).
+        kl_coef: β (the initial value when adaptive). 0 with no `kl_target`: no reference is built or run and the
+            KL is not logged (`uses_reference`; TRL's GRPO default, beta=0). kl_estimator: k1, k2 or k3
+            (`hf_rlhf.ppo.kl_penalty`).
         kl_clamp: bound of each token's k3 estimate (default 10, as OpenRLHF and verl; None: unclamped).
         kl_target: None for a fixed β; else the target KL (per sequence, summed over tokens) of the adaptive
             controller (Ziegler et al. 2019), with `kl_horizon`.
@@ -86,7 +102,9 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             steps no value head, value model or value adapter: `grpo` (group-normalised scores, Shao et al. 2024),
             `rloo` (leave-one-out baseline, Ahmadian et al. 2024), `reinforce_pp` (REINFORCE++: KL-penalised returns
             whitened over the global batch, Hu 2025) or `reinforce_pp_baseline` (its group-mean baseline variant).
-        num_generations: G, completions sampled per prompt (>= 2 for grpo, rloo and reinforce_pp_baseline).
+        num_generations: G, completions sampled per prompt (>= 2 for grpo, rloo and reinforce_pp_baseline). None
+            (default): TRL's 8 for those group estimators, 1 for the others, so `--advantage_estimator grpo` alone
+            runs.
         scale_rewards: grpo: divide by the std of the `group` (GRPO), of the `batch`, or `none` (Dr. GRPO) (TRL).
         normalize_advantages: rloo: whiten the advantages over the global batch (TRL's RLOO option).
         kl_in_loss: the KL term goes into the loss, β·KL per token with `kl_estimator` (GRPO's: k3), instead of the
@@ -95,6 +113,20 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         loss_type: how the policy loss is reduced (TRL's GRPO names): `dapo` (token mean over the optimizer step's
             minibatch: the default, PPO's), `bnpo` (token mean per micro-batch), `grpo` (mean over sequences of
             each sequence's token mean) or `dr_grpo` (token sum / (sequences x response_length)).
+    GRPO options (TRL 1.16's `GRPOConfig` names; every estimator accepts them):
+        epsilon_high: upper clip, ratio <= 1 + epsilon_high (DAPO's clip-higher, 0.28 there); the lower clip is
+            `cliprange` (TRL's `epsilon`, which is not taken as a second name: one option per meaning;
+            `epsilon=` is an error that names `cliprange`).
+        importance_sampling_level: `token` (PPO's ratio) or `sequence` (GSPO: exp of the response's mean log-ratio).
+            With `sequence`, `loss_type="grpo"` is GSPO's own reduction (TRL warns about the others; so does
+            `PPOTrainer`).
+        mask_truncated_completions: responses without the stop token count in the group baselines but not in the
+            loss (DAPO's overlong filtering; needs a stop token).
+        filter_groups: DAPO's dynamic sampling (veRL's `algorithm.filter_groups`; TRL has none): prompt groups whose
+            rewards (raw score and missing-stop penalty) are all equal have zero advantage; they are dropped and
+            the rollout refilled with groups of further prompts, drawn by a seeded generator per (epoch, rollout,
+            round, rank), so resume needs no extra state; at most `max_num_gen_batches` generation rounds, after
+            which the rollout is completed with dropped groups. `filter/dropped_groups`, `filter/gen_batches` logged.
 
     Checkpoints may be taken at any step, also in the middle of a rollout's optimizer steps: the rollout being
     trained on is written into the checkpoint per rank (`ppo_experience_rank{r}.pt`) and read back on resume, so
@@ -131,6 +163,12 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling; 1.0 turns it off."})
     generation_kwargs: dict | str | None = field(
         default=None, metadata={"help": "Extra keyword arguments of generate (a dict, or JSON on the command line)."}
+    )
+    generation_backend: str = field(
+        default="generate",
+        metadata={"help": "Rollout generation engine: generate (transformers' generate, dynamic KV cache) or static "
+                          "(static KV cache, decoding forward compiled, prompts bucketed).",
+                  "choices": list(GENERATION_BACKENDS)},
     )
     stop_token: str | None = field(
         default="eos", metadata={"help": "'eos' to end responses at the eos token, or None (run to response_length)."}
@@ -176,7 +214,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
                                          "reinforce_pp_baseline (critic-free: no value function).",
                                  "choices": list(ADVANTAGE_ESTIMATORS)},
     )
-    num_generations: int = field(default=1, metadata={"help": "Completions sampled per prompt."})
+    num_generations: int | None = field(default=None, metadata={
+        "help": "Completions sampled per prompt. None: 8 (TRL's) for grpo, rloo and reinforce_pp_baseline, else 1."})
     scale_rewards: str = field(
         default="group", metadata={"help": "grpo: std of the group, batch, or none (Dr. GRPO).",
                                    "choices": list(SCALE_REWARDS)},
@@ -188,6 +227,27 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         default="dapo", metadata={"help": "Policy loss reduction: dapo, bnpo, grpo or dr_grpo (TRL's names).",
                                   "choices": list(LOSS_TYPES)},
     )
+    epsilon_high: float | None = field(
+        default=None, metadata={"help": "Upper clip of the policy ratio, 1 + epsilon_high (DAPO's clip-higher, TRL's "
+                                        "name; DAPO uses 0.28). None: the same as the lower one, cliprange."},
+    )
+    importance_sampling_level: str = field(
+        default="token", metadata={"help": "Policy ratio per `token`, or per `sequence` (GSPO: the exp of the mean "
+                                           "log-ratio over the response) (TRL's name).",
+                                   "choices": list(IMPORTANCE_SAMPLING_LEVELS)},
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Leave responses that did not stop within response_length out of the loss "
+                                         "(DAPO's overlong filtering, TRL's name)."},
+    )
+    filter_groups: bool = field(
+        default=False, metadata={"help": "Dynamic sampling (DAPO; veRL's algorithm.filter_groups): drop prompt groups "
+                                         "whose rewards are all equal and refill the rollout from more prompts."},
+    )
+    max_num_gen_batches: int = field(
+        default=10, metadata={"help": "filter_groups: most generation rounds per rollout (veRL's name); a rollout "
+                                      "still short after them is completed with dropped groups."},
+    )
 
     def __post_init__(self):
         check_field_types(self)
@@ -197,6 +257,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             self.stop_token = None
         if isinstance(self.generation_kwargs, str):
             self.generation_kwargs = json.loads(self.generation_kwargs)
+        if self.num_generations is None:
+            self.num_generations = TRL_NUM_GENERATIONS if self.advantage_estimator in GROUP_ESTIMATORS else 1
         self._check_batches()
         self._check_options()
 
@@ -209,6 +271,27 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     def prompts_per_rollout(self) -> int:
         """Prompts per rollout per device (each sampled `num_generations` times)."""
         return self.rollout_batch_size // self.num_generations
+
+    @property
+    def uses_reference(self) -> bool:
+        """False when β is fixed at 0: the KL is then in no reward and no loss, so no reference is built (no frozen
+        copy, no adapters-off forward) and the KL is not logged, as TRL's GRPO with `beta=0`. Set a small `kl_coef`
+        (or a `kl_target`) to train against, and monitor, a reference."""
+        return self.kl_target is not None or self.kl_coef != 0
+
+    @property
+    def old_logprobs_in_loss(self) -> bool:
+        """True when the rollout makes no policy forward: the loss's own log-probs, detached, are the old ones (TRL's
+        GRPO does the same when each generation gets one optimizer step), and the KL / entropy statistics come from
+        that forward too.
+
+        Exact when: each rollout gets one optimizer step (one minibatch, one epoch: the loss sees the rollout's
+        weights), no value function is trained (GAE needs the rollout's values), dropout is off (rollout and loss
+        then compute alike), the KL does not enter the rewards (`kl_in_loss`, or β = 0) and β is fixed (the adaptive
+        controller reads the rollout's KL before that step).
+        """
+        return (self.critic_free and self.steps_per_rollout == 1 and self.disable_dropout
+                and self.kl_target is None and (self.kl_in_loss or self.kl_coef == 0))
 
     @property
     def steps_per_rollout(self) -> int:
@@ -276,6 +359,14 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             (self.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {SCALE_REWARDS}, "
                                                   f"got {self.scale_rewards!r}"),
             (self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}"),
+            (self.epsilon_high is None or self.epsilon_high > 0, f"epsilon_high must be > 0 or None, "
+                                                                 f"got {self.epsilon_high}"),
+            (self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, f"importance_sampling_level must be one "
+             f"of {IMPORTANCE_SAMPLING_LEVELS}, got {self.importance_sampling_level!r}"),
+            (not self.filter_groups or self.advantage_estimator in GROUP_ESTIMATORS,
+             f"filter_groups drops prompt groups whose rewards are all equal: it needs a group estimator "
+             f"{GROUP_ESTIMATORS}, got advantage_estimator={self.advantage_estimator!r}"),
+            (self.max_num_gen_batches >= 1, f"max_num_gen_batches must be >= 1, got {self.max_num_gen_batches}"),
             (not (self.kl_in_loss and self.advantage_estimator == "gae"),
              "kl_in_loss is for the critic-free estimators; gae's KL is a reward penalty (its value function "
              "learns the penalised return)"),

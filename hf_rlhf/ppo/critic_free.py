@@ -247,3 +247,42 @@ def aggregate_loss(
     if not isinstance(normalizer, torch.Tensor) and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
     return total / normalizer
+
+
+def truncated_loss_mask(response_mask: torch.Tensor, stopped: torch.Tensor) -> torch.Tensor:
+    """The loss mask of `mask_truncated_completions`: the rows of responses that never stopped zeroed (DAPO §3.4).
+
+    As `trl.GRPOTrainer._generate_and_score_completions` (TRL 1.16, trl/trainer/grpo_trainer.py:2487-2492):
+    `completion_mask * (~is_truncated).unsqueeze(1)`.
+
+    Args:
+        response_mask: (N, T) 1 on response tokens.
+        stopped: (N,) bool, True where the response ended with the stop token.
+
+    Returns:
+        (N, T) in the dtype of `response_mask`.
+    """
+    return response_mask * stopped.unsqueeze(1).to(response_mask.dtype)
+
+
+def informative_groups(scores: torch.Tensor, num_generations: int, stopped: torch.Tensor | None = None) -> torch.Tensor:
+    """Which prompt groups DAPO's dynamic sampling keeps: those whose scores are not all equal (arXiv:2503.14476 §3.2).
+
+    A group of equal rewards has zero advantage under every group baseline, so it gives no gradient (as veRL's
+    `algorithm.filter_groups`, which keeps groups with a nonzero std of the metric). With `stopped`, a group also
+    counts as informative when its responses differ in whether they stopped (the missing-stop penalty then differs).
+
+    Args:
+        scores: (N,) rewards, N = P·G, G consecutive samples per prompt.
+        num_generations: G, >= 2.
+        stopped: (N,) bool or None.
+
+    Returns:
+        (P,) bool, True for a group to keep.
+    """
+    grouped = _groups(scores, num_generations)
+    keep = (grouped != grouped[:, :1]).any(dim=1)
+    if stopped is not None:
+        flags = stopped.view(-1, num_generations)
+        keep = keep | (flags != flags[:, :1]).any(dim=1)
+    return keep

@@ -1,10 +1,13 @@
-"""Per-token KL estimates and the controllers of the KL coefficient β (torch only)."""
+"""Per-token KL estimates, the controllers of the KL coefficient β, and the rollout statistics built on them (torch
+only)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from ..tensors import masked_sum
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 K3_CLAMP = 10.0  # OpenRLHF's and verl's bound on the estimate
@@ -93,3 +96,25 @@ class AdaptiveKLController(_KLController):
             return
         proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
         self.value *= 1 + proportional_error * n_steps / self.horizon
+
+
+def sequence_policy_stats(kl: torch.Tensor, logprobs: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor,
+                          kl_coef: float) -> dict[str, torch.Tensor]:
+    """Per-sequence values of the rollout statistics that need the policy's log-probs (TRL's PPO names).
+
+    Args:
+        kl: (B, T) per-token KL estimate (`kl_penalty`).
+        logprobs: (B, T) the policy's log-probs of the response tokens.
+        scores: (B,) shaped sequence scores.
+        mask: (B, T) 1 on response tokens.
+        kl_coef: β.
+
+    Returns:
+        {"objective/kl": Σ_t kl, "objective/entropy": -Σ_t log π (a one-sample entropy estimate),
+        "objective/non_score_reward": -β Σ_t kl, "objective/rlhf_reward": score - β Σ_t kl}, each (B,) float64
+        (rewards near the float32 limit overflow a float32 mean).
+    """
+    kl_per_sequence = masked_sum(kl, mask, dim=1)
+    non_score = (-kl_coef * kl_per_sequence).double()
+    return {"objective/kl": kl_per_sequence.double(), "objective/entropy": masked_sum(-logprobs, mask, dim=1).double(),
+            "objective/non_score_reward": non_score, "objective/rlhf_reward": scores.double() + non_score}

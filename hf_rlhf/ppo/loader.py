@@ -206,13 +206,17 @@ class ExperienceLoader:
         extra_batch: `global_micro_batch_index -> dict`, merged into each micro-batch (the ptx rows).
         num_generations: G, rows per prompt: each rollout takes `rollout_batch_size / G` prompts and hands each to
             `make_experience` G times in a row (a prompt's group stays on this rank).
+        refill: pass `make_experience` a `refill=round -> (rows, indices)` keyword for dynamic sampling: round r of
+            rollout k draws `rollout_batch_size / G` further prompts by a generator seeded with (seed, epoch, k,
+            rank, r), so a resumed run draws the same ones with no state saved (`refill_indices`).
     """
 
     def __init__(self, dataset, make_experience: Callable, *, rollout_batch_size: int, micro_batch_size: int,
                  num_ppo_epochs: int, seed: int, process_index: int = 0, num_processes: int = 1,
                  gradient_accumulation_steps: int = 1, get_global_step: Callable[[], int] = lambda: 0,
                  get_resume_dir: Callable[[], str | None] = lambda: None, device=None,
-                 extra_batch: Callable[[int], dict] | None = None, num_generations: int = 1):
+                 extra_batch: Callable[[int], dict] | None = None, num_generations: int = 1,
+                 refill: bool = False):
         if num_generations < 1 or rollout_batch_size % num_generations:
             raise ValueError(f"rollout_batch_size={rollout_batch_size} is not a multiple of num_generations="
                              f"{num_generations}")
@@ -226,7 +230,7 @@ class ExperienceLoader:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.get_global_step, self.get_resume_dir = get_global_step, get_resume_dir
         self.device, self.extra_batch = device, extra_batch
-        self.num_generations = num_generations
+        self.num_generations, self.refill = num_generations, refill
         self.epoch = 0
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, prompt permutation)
         self._rollout: dict | None = None  # the rollout being handed out, and how far (for checkpoints)
@@ -265,6 +269,17 @@ class ExperienceLoader:
         start = (rollout * self.num_processes + self.process_index) * self.prompts_per_rollout
         return order[start:start + self.prompts_per_rollout].tolist()
 
+    def refill_indices(self, epoch: int, rollout: int, round_: int) -> list[int]:
+        """Dataset indices of the prompts of refill round `round_` >= 1 of a rollout (each once; see `refill`)."""
+        generator = seeded_generator(self.seed, epoch, rollout, self.process_index, 3, round_)
+        return torch.randperm(len(self._dataset), generator=generator)[:self.prompts_per_rollout].tolist()
+
+    def _refill(self, epoch: int, rollout: int):
+        def rows_of_round(round_: int):
+            indices = [i for i in self.refill_indices(epoch, rollout, round_) for _ in range(self.num_generations)]
+            return _rows(self._dataset, indices), indices
+        return rows_of_round
+
     def _batch_order(self, epoch: int, rollout: int) -> list[list[int]]:
         generator = seeded_generator(self.seed, epoch, rollout, self.process_index, 1)
         batches = []
@@ -285,7 +300,8 @@ class ExperienceLoader:
             else:
                 indices = [i for i in self.rollout_indices(epoch, rollout) for _ in range(self.num_generations)]
                 rows = _rows(self._dataset, indices)
-                experience, stats = self.make_experience(rows, indices)
+                extra = {"refill": self._refill(epoch, rollout)} if self.refill else {}
+                experience, stats = self.make_experience(rows, indices, **extra)
                 self._rollout = {"epoch": epoch, "rollout": rollout, "position": 0, "experience": experience,
                                  "stats": stats, "order": self._batch_order(epoch, rollout)}
             for j in range(offset, per_rollout):

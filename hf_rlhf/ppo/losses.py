@@ -51,31 +51,68 @@ def policy_loss(
     return _reduce(per_token, mask, normalizer), stats
 
 
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def importance_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str = "token") -> torch.Tensor:
+    """Log importance weights of the policy ratio, per token or per sequence (GSPO, Zheng et al. 2025, arXiv:2507.18071).
+
+    As `trl.GRPOTrainer._compute_loss` (TRL 1.16, trl/trainer/grpo_trainer.py:3083-3093): "token" keeps
+    log(π/π_old) per token; "sequence" is the masked mean of it over each response, one weight per sequence
+    (broadcast here to every token of the row, where TRL keeps shape (B, 1); the reductions then agree).
+
+    Args:
+        log_ratio: (B, T) logp - logp_old.
+        mask: (B, T) 1 on response tokens.
+        level: "token" or "sequence".
+
+    Returns:
+        (B, T).
+    """
+    if level == "token":
+        return log_ratio
+    if level != "sequence":
+        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}")
+    tokens = mask.sum(dim=-1, keepdim=True).to(log_ratio.dtype).clamp(min=1.0)
+    return (masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1) / tokens).expand_as(log_ratio)
+
+
 def policy_loss_per_token(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cliprange: float,
+    cliprange_high: float | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`policy_loss` before its reduction: max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) per token.
+    """`policy_loss` before its reduction: max(-A·ratio, -A·clip(ratio, 1-ε_low, 1+ε_high)) per token.
 
     For the other reductions (`hf_rlhf.ppo.critic_free.aggregate_loss`, TRL's GRPO `loss_type`) and for adding a
-    per-token KL term first, as GRPO does.
+    per-token KL term first, as GRPO does. With `cliprange_high` (DAPO's clip-higher, TRL's `epsilon_high`) the upper
+    bound differs from the lower one; with `importance_sampling_level="sequence"` the ratio is GSPO's per-sequence
+    one (`importance_log_weights`). Both as `trl.GRPOTrainer._compute_loss` (TRL 1.16,
+    trl/trainer/grpo_trainer.py:3083-3120: `coef_2 = clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)`,
+    `-min(coef_1·A, coef_2·A)`).
 
     Args:
-        As `policy_loss` (all (B, T)).
+        As `policy_loss` (all (B, T)), plus:
+        cliprange_high: ε_high, > 0; None: ε_high = ε (`cliprange`).
+        importance_sampling_level: "token" or "sequence".
 
     Returns:
-        (per_token_loss (B, T) with grad, stats as `policy_loss`'s).
+        (per_token_loss (B, T) with grad, stats as `policy_loss`'s; "approxkl" is always per token).
     """
     if not cliprange > 0:
         raise ValueError(f"cliprange must be > 0, got {cliprange}")
+    high = cliprange if cliprange_high is None else cliprange_high
+    if not high > 0:
+        raise ValueError(f"cliprange_high must be > 0, got {cliprange_high}")
     advantages = advantages.detach()
     log_ratio = logprobs - old_logprobs.detach()
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(importance_log_weights(log_ratio, mask, importance_sampling_level))
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask),

@@ -14,18 +14,23 @@ from trl.models.utils import unwrap_model_for_generation
 
 from ..adapters import adapter_scope
 from ..collators import LeftPaddingCollator
+from ..generation import build_engine
 from ..reward_models import unwrap_peft
 from ..rewards.base import RewardError, check_scores
-from ..tensors import first_true_indices, logprobs_from_logits, masked_sum
+from ..tensors import first_true_indices, logprobs_from_logits
+from .critic_free import informative_groups, truncated_loss_mask
 from .estimators import estimate_advantages
 from .experience import Experience
-from .kl import kl_penalty
+from .kl import kl_penalty, sequence_policy_stats
 from .policy_value import response_logits
 
 logger = logging.getLogger("hf_rlhf")
 
 ROLLOUT_METRICS = ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                    "objective/scores", "objective/raw_scores")
+# what needs the rollout-time policy log-probs: computed by the loss instead when `args.old_logprobs_in_loss`
+POLICY_METRICS = ROLLOUT_METRICS[:4]
+KL_METRICS = ("objective/kl", "objective/non_score_reward")  # not logged without a reference (β fixed at 0)
 
 
 def stop_token_id_of(args, tokenizer) -> int | None:
@@ -55,9 +60,12 @@ class RolloutMaker:
         self.collator = LeftPaddingCollator(tokenizer.pad_token_id)
         self.stop_token_id = stop_token_id_of(args, tokenizer)
         self._warned_no_stop = False
+        # `PPOConfig.generation_backend`; reads the live policy module, so no `sync_weights` after optimizer steps
+        self.engine = build_engine(args.generation_backend)
+        self._engine_checked = False
 
     @torch.no_grad()
-    def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None):
+    def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None, refill=None):
         """One rollout.
 
         Args:
@@ -66,11 +74,50 @@ class RolloutMaker:
             kl_coef: β for this rollout's rewards.
             reward_moments: a `RunningMoments` for `reward_normalization="running"` (updated here).
             row_indices: the rows' dataset indices, named in reward errors.
+            refill: for `filter_groups`: `round -> (rows, row_indices)`, B more rows (G per prompt) for generation
+                round `round` >= 1; None: no refill (groups are not filtered).
 
         Returns:
             (Experience on the accelerator's device, {metric name: float}, identical on every rank).
         """
-        args, device = self.args, self.accelerator.device
+        args = self.args
+        if args.mask_truncated_completions and self.stop_token_id is None:
+            raise ValueError("mask_truncated_completions needs a stop token (stop_token='eos' or stop_token_id): "
+                             "without one every response runs to response_length and none would be trained on")
+        # steps 1-4. prompts, responses, scores (with `filter_groups`: only groups whose rewards differ, refilled)
+        sample = self._sample(model, rows, row_indices)
+        filter_stats = {}
+        if args.filter_groups and refill is not None:
+            sample, filter_stats = self._filter_groups(model, sample, refill)
+        query_ids, query_mask, response_ids, response_mask, stopped, raw_scores = sample
+
+        # step 5. old log-probs and values of the policy, log-probs of the reference (eval mode, micro-batches);
+        # with one optimizer step per rollout and no KL in the rewards, the loss's own forward gives the old
+        # log-probs (`PPOConfig.old_logprobs_in_loss`) and the policy forward here is skipped
+        model.eval()
+        old_logprobs, old_values, ref_logprobs = self._forward(model, query_ids, query_mask, response_ids,
+                                                               response_mask, policy=not args.old_logprobs_in_loss)
+
+        # step 6. per-token KL, score shaping, then the estimator's rewards and advantages (GAE, GRPO, ...)
+        if args.old_logprobs_in_loss or not args.uses_reference:  # no KL in the rewards (the loss computes it)
+            kl = torch.zeros_like(ref_logprobs)
+        else:
+            kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
+        scores = self._shape_scores(raw_scores, stopped, reward_moments)
+        reduce = self._all_reduce_sum if self.accelerator.num_processes > 1 else None
+        rewards, advantages, returns = estimate_advantages(args, scores, kl, response_mask, old_values, kl_coef,
+                                                           reduce)
+        experience = Experience(query_ids, query_mask, response_ids, response_mask, old_logprobs, ref_logprobs,
+                                old_values, scores, rewards, advantages, returns)
+        stats = self._stats(experience, kl, raw_scores, stopped, kl_coef)
+        stats.update(filter_stats)
+        if args.mask_truncated_completions:  # counted in the baselines above, left out of the loss (as TRL)
+            experience.response_mask = truncated_loss_mask(response_mask, stopped)
+        return experience, stats
+
+    def _sample(self, model, rows, row_indices):
+        """(query_ids, query_mask, response_ids, response_mask, stopped, raw_scores) of one generation round."""
+        device = self.accelerator.device
         # step 1. left-padded prompts (the last column is every row's last prompt token)
         batch = self.collator(rows)
         query_ids, query_mask = batch.pop("input_ids").to(device), batch.pop("attention_mask").to(device)
@@ -86,32 +133,59 @@ class RolloutMaker:
         # step 4. score the decoded text (each reward source re-tokenizes it its own way)
         completions = self._decode(response_ids, response_mask, conversational=isinstance(prompts[0], list))
         raw_scores = self._score(prompts, completions, batch, row_indices).to(device)
+        return query_ids, query_mask, response_ids, response_mask, stopped, raw_scores
 
-        # step 5. old log-probs and values of the policy, log-probs of the reference (eval mode, micro-batches)
-        model.eval()
-        old_logprobs, old_values, ref_logprobs = self._forward(model, query_ids, query_mask, response_ids,
-                                                               response_mask)
+    def _filter_groups(self, model, sample, refill):
+        """DAPO's dynamic sampling: keep groups whose rewards differ; generate more rounds until the rollout is full.
 
-        # step 6. per-token KL, score shaping, then the estimator's rewards and advantages (GAE, GRPO, ...)
-        kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
-        scores = self._shape_scores(raw_scores, stopped, reward_moments)
-        reduce = self._all_reduce_sum if self.accelerator.num_processes > 1 else None
-        rewards, advantages, returns = estimate_advantages(args, scores, kl, response_mask, old_values, kl_coef,
-                                                           reduce)
-        experience = Experience(query_ids, query_mask, response_ids, response_mask, old_logprobs, ref_logprobs,
-                                old_values, scores, rewards, advantages, returns)
-        return experience, self._stats(experience, kl, raw_scores, stopped, kl_coef)
+        Every rank runs the same number of rounds (a generation may be collective, e.g. under ZeRO-3): rounds go on
+        while any rank is short, up to `max_num_gen_batches`; a rank still short then completes its rollout with
+        dropped groups (zero advantage: no gradient). The kept groups come in round order, the first ones first.
+        """
+        args, G = self.args, self.args.num_generations
+        wanted = sample[0].shape[0] // G
+        kept, dropped, rounds, dropped_count = [], [], 0, 0
+        while True:
+            keep = informative_groups(sample[5], G, sample[4] if self._stop_matters() else None)
+            rows = keep.repeat_interleave(G)
+            kept.append(tuple(t[rows] for t in sample))
+            dropped.append(tuple(t[~rows] for t in sample))
+            dropped_count += int((~keep).sum())
+            rounds += 1
+            short = max(wanted - sum(part[0].shape[0] for part in kept) // G, 0)
+            any_short = self.accelerator.reduce(torch.tensor(float(short), device=sample[0].device), reduction="sum")
+            if any_short.item() == 0 or rounds >= args.max_num_gen_batches:
+                break
+            sample = self._sample(model, *refill(rounds))
+        parts = kept + dropped  # dropped groups only complete a rollout still short after the last round
+        query_ids = _cat_left_padded([p[0] for p in parts], self.tokenizer.pad_token_id)
+        query_mask = _cat_left_padded([p[1] for p in parts], 0)
+        response_ids = _cat_right_padded([p[2] for p in parts], self.tokenizer.pad_token_id)
+        response_mask = _cat_right_padded([p[3] for p in parts], 0)
+        stopped, raw_scores = torch.cat([p[4] for p in parts]), torch.cat([p[5] for p in parts])
+        n = wanted * G
+        totals = self.accelerator.reduce(torch.tensor([float(dropped_count), float(max(wanted * G - sum(
+            p[0].shape[0] for p in kept), 0) // G)], device=stopped.device), reduction="sum")
+        stats = {"filter/dropped_groups": totals[0].item(), "filter/refilled_with_dropped": totals[1].item(),
+                 "filter/gen_batches": float(rounds)}
+        sample = (query_ids[:n], query_mask[:n], response_ids[:n], response_mask[:n], stopped[:n], raw_scores[:n])
+        width = int(sample[3].sum(1).max())  # the longest kept response: the rest is padding
+        return sample[:2] + (sample[2][:, :max(width, 1)], sample[3][:, :max(width, 1)]) + sample[4:], stats
+
+    def _stop_matters(self) -> bool:
+        return self.args.missing_eos_penalty is not None and self.stop_token_id is not None
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum")
 
     # -- steps ---------------------------------------------------------------------------------------
     def _generate(self, policy, query_ids, query_mask) -> torch.LongTensor:
+        """(B, R) sampled response ids, R <= response_length, padded after early stops (`self.engine`)."""
         args, pad = self.args, self.tokenizer.pad_token_id
+        # stop token None: no early stop (a kwarg, unlike a config, overrides)
         kwargs = dict(max_new_tokens=args.response_length, do_sample=True, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, use_cache=True,
-                      eos_token_id=self.stop_token_id)  # None: no early stop (a kwarg, unlike a config, overrides)
-        kwargs.update(args.generation_kwargs or {})
+                      top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, eos_token_id=self.stop_token_id,
+                      generation_kwargs=args.generation_kwargs)
         chunks = []
         checkpointing = {k: v for k, v in (args.activation_checkpointing_kwargs or {}).items()
                          if k not in ("every_n_layers", "offload")}  # re-enabled after generation with these
@@ -120,11 +194,13 @@ class RolloutMaker:
         with unwrap_model_for_generation(policy, self.accelerator, gather_deepspeed3_params=gather,
                                          gradient_checkpointing_kwargs=checkpointing or None) as unwrapped:
             unwrapped.eval()
+            if not self._engine_checked:
+                self.engine.check_model(unwrapped)
+                self._engine_checked = True
             for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):
                 end = start + args.local_rollout_forward_batch_size
-                out = unwrapped.generate(input_ids=query_ids[start:end], attention_mask=query_mask[start:end],
-                                         **kwargs)
-                chunks.append(out[:, query_ids.shape[1]:])
+                out = self.engine.generate(unwrapped, query_ids[start:end], query_mask[start:end], **kwargs)
+                chunks.append(out.response_ids)
         width = max(chunk.shape[1] for chunk in chunks)
         return torch.cat([F.pad(chunk, (0, width - chunk.shape[1]), value=pad) for chunk in chunks])
 
@@ -155,16 +231,25 @@ class RolloutMaker:
             raise RewardError(f"{err} [dataset row {row_indices[err.row]}]", err.row) from err
         return check_scores(scores, len(completions), "compute_rewards", prompts, completions)
 
-    def _forward(self, model, query_ids, query_mask, response_ids, response_mask):
+    def _forward(self, model, query_ids, query_mask, response_ids, response_mask, policy: bool = True):
+        """(old log-probs, old values, reference log-probs), each (B, R); without `policy` the first two are zeros
+        (the loss computes the old log-probs; critic-free estimators have no values)."""
         args = self.args
         logprobs, values, ref_logprobs = [], [], []
         for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):
             part = [t[start:start + args.local_rollout_forward_batch_size]
                     for t in (query_ids, query_mask, response_ids, response_mask)]
-            logits, value, _ = response_logits(model, *part, temperature=args.temperature)
-            logprobs.append(logprobs_from_logits(logits, part[2]))
-            values.append(value if value is not None else torch.zeros_like(logprobs[-1]))  # critic-free: no values
-            del logits
+            if policy:
+                logits, value, _ = response_logits(model, *part, temperature=args.temperature)
+                logprobs.append(logprobs_from_logits(logits, part[2]))
+                values.append(value if value is not None else torch.zeros_like(logprobs[-1]))  # critic-free
+                del logits
+            else:
+                logprobs.append(torch.zeros(part[2].shape, device=part[2].device))
+                values.append(torch.zeros_like(logprobs[-1]))
+            if not args.uses_reference:  # β fixed at 0: no reference forward (its log-probs stay 0, never read)
+                ref_logprobs.append(torch.zeros(part[2].shape, device=part[2].device))
+                continue
             ref_logits = self._reference_logits(model.policy, part)
             ref_logprobs.append(logprobs_from_logits(ref_logits, part[2]))
         return torch.cat(logprobs), torch.cat(values), torch.cat(ref_logprobs)
@@ -194,16 +279,17 @@ class RolloutMaker:
     def _stats(self, experience: Experience, kl, raw_scores, stopped, kl_coef) -> dict[str, float]:
         """TRL's rollout metrics, averaged over ranks (`val/num_eos_tokens`: responses that stopped, summed)."""
         mask = experience.response_mask
-        kl_per_sequence = masked_sum(kl, mask, dim=1)
-        non_score = -kl_coef * kl_per_sequence
+        per_sequence = sequence_policy_stats(kl, experience.old_logprobs, experience.scores, mask, kl_coef)
         # float64: rewards near the float32 limit (±3e38) overflow a float32 mean to inf/NaN
-        means = torch.stack([
-            kl_per_sequence.double().mean(), masked_sum(-experience.old_logprobs, mask, dim=1).double().mean(),
-            non_score.double().mean(), (experience.scores.double() + non_score.double()).mean(),
-            experience.scores.double().mean(), raw_scores.double().mean()])
+        means = torch.stack([per_sequence[name].mean() for name in POLICY_METRICS]
+                            + [experience.scores.double().mean(), raw_scores.double().mean()])
         means = self.accelerator.reduce(means, reduction="mean")
         num_stopped = self.accelerator.reduce(stopped.sum().float(), reduction="sum")
         stats = dict(zip(ROLLOUT_METRICS, means.tolist()))
+        if self.args.old_logprobs_in_loss:  # no rollout-time policy log-probs: the loss logs these
+            stats = {name: value for name, value in stats.items() if name not in POLICY_METRICS}
+        if not self.args.uses_reference:
+            stats = {name: value for name, value in stats.items() if name not in KL_METRICS}
         stats["objective/kl_coef"] = float(kl_coef)  # the same on every rank
         stats["val/num_eos_tokens"] = num_stopped.item()
         if self.stop_token_id is not None and stats["val/num_eos_tokens"] == 0 and not self._warned_no_stop:
@@ -215,3 +301,15 @@ class RolloutMaker:
                 self.args.missing_eos_penalty,
                 "applied" if self.args.missing_eos_penalty is not None else "not set, so nothing was subtracted")
         return stats
+
+
+def _cat_left_padded(parts: list[torch.Tensor], value) -> torch.Tensor:
+    """(B_i, L_i) tensors left-padded with `value` to the widest, concatenated: (Σ B_i, max L_i)."""
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([F.pad(p, (width - p.shape[1], 0), value=value) for p in parts])
+
+
+def _cat_right_padded(parts: list[torch.Tensor], value) -> torch.Tensor:
+    """(B_i, L_i) tensors right-padded with `value` to the widest, concatenated: (Σ B_i, max L_i)."""
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([F.pad(p, (0, width - p.shape[1]), value=value) for p in parts])

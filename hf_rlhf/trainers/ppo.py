@@ -23,6 +23,7 @@ file written into it.
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -36,17 +37,19 @@ from ..ppo.callbacks import EpochFromStepCallback, KLControllerCallback, RewardS
 from ..ppo.config import PPOConfig
 from ..ppo.experience import Experience
 from ..ppo.critic_free import aggregate_loss
-from ..ppo.kl import kl_penalty
+from ..ppo.kl import kl_penalty, sequence_policy_stats
 from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator, validate_prompt_dataset
 from ..ppo.losses import policy_loss_per_token, value_loss
 from ..ppo.policy_value import PolicyAndValue, response_logits
-from ..ppo.rollout import RolloutMaker
+from ..ppo.rollout import KL_METRICS, RolloutMaker
 from ..ppo.value_adapter import add_value_adapter, resolve_value_adapter
 from ..reward_models import disable_dropout, unwrap_peft
 from ..rewards.factory import build_reward_source
 from ..rewards.model import ModelReward
 from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
 from .base import BaseTrainer
+
+logger = logging.getLogger("hf_rlhf")
 
 
 def _reference_copy(policy):
@@ -121,6 +124,9 @@ class PPOTrainer(BaseTrainer):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
+        if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":  # as TRL 1.16's GRPOTrainer
+            logger.warning("importance_sampling_level='sequence' with loss_type=%r weights each sequence's ratio by "
+                           "its length; GSPO's own objective is loss_type='grpo'", args.loss_type)
         if train_dataset is None:
             raise ValueError("PPOTrainer needs a train_dataset of prompts.")
         if ref_model is not None and ref_model is model:
@@ -174,7 +180,12 @@ class PPOTrainer(BaseTrainer):
     @staticmethod
     def _build_models(policy, value_model, ref_model, args):
         """(PolicyAndValue, reference or None): the frozen reference copy, the value function, dropout off."""
-        if isinstance(ref_model, str):
+        if not args.uses_reference:  # β fixed at 0: the KL is used nowhere, so no reference (as TRL's GRPO, beta=0)
+            if ref_model is not None:
+                logger.warning("ref_model is not used: kl_coef=0 with no kl_target puts no KL in the rewards or the "
+                               "loss. Set kl_coef > 0 (or kl_target) to train against it.")
+            ref_model = None
+        elif isinstance(ref_model, str):
             ref_model = load_model(ModelConfig(model_name_or_path=ref_model))
         elif ref_model is None and unwrap_peft(policy) is policy:  # a PeftModel's reference is its adapters off
             ref_model = _reference_copy(policy)  # kept outside the trained module: never checkpointed
@@ -230,7 +241,7 @@ class PPOTrainer(BaseTrainer):
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             get_global_step=lambda: self.state.global_step, get_resume_dir=lambda: self._resume_from,
             device=self.accelerator.device, extra_batch=self._ptx_batch if self.ptx_dataset is not None else None,
-            num_generations=args.num_generations)
+            num_generations=args.num_generations, refill=args.filter_groups)
         return self._loader
 
     def compute_rewards(self, prompts: list, completions: list, **columns) -> torch.Tensor:
@@ -251,13 +262,15 @@ class PPOTrainer(BaseTrainer):
         """
         return self.reward_source(prompts, completions, **columns)
 
-    def _make_experience(self, rows, indices):
+    def _make_experience(self, rows, indices, refill=None):
         # looked up at each rollout: a checkpoint restore may have replaced these callbacks in the handler
         kl = find_callback(self.callback_handler, KLControllerCallback).controller
         stats_cb = find_callback(self.callback_handler, RewardStatsCallback)
         model = self.accelerator.unwrap_model(self.model_wrapped)
-        experience, stats = self.rollout_maker.make(model, rows, kl.value, stats_cb and stats_cb.moments, indices)
-        kl.update(stats["objective/kl"], self.args.rollout_batch_size * self.accelerator.num_processes)
+        experience, stats = self.rollout_maker.make(model, rows, kl.value, stats_cb and stats_cb.moments, indices,
+                                                    refill)
+        if "objective/kl" in stats:  # absent with old_logprobs_in_loss, whose β is fixed (nothing to update)
+            kl.update(stats["objective/kl"], self.args.rollout_batch_size * self.accelerator.num_processes)
         return experience, stats
 
     def _ptx_batch(self, index: int) -> dict:
@@ -283,14 +296,20 @@ class PPOTrainer(BaseTrainer):
         args, exp = self.args, Experience.from_dict(inputs)
         mask = exp.response_mask
         normalizer = num_items_in_batch if num_items_in_batch is not None else mask.sum()
+        if args.mask_truncated_completions:  # a minibatch of truncated responses only has no token (as TRL: >= 1)
+            normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=mask.device).clamp(min=1.0)
         extra = (inputs["ptx_input_ids"], inputs["ptx_attention_mask"]) if "ptx_input_ids" in inputs else None
         logits, values, ptx_logits = response_logits(model, exp.query_ids, exp.query_mask, exp.response_ids, mask,
                                                      args.temperature, extra_rows=extra)
         logprobs = logprobs_from_logits(logits, exp.response_ids)
-        per_token_pg, pg_stats = policy_loss_per_token(logprobs, exp.old_logprobs, exp.advantages, mask,
-                                                       args.cliprange)
+        # one optimizer step per rollout: this forward runs the rollout's weights, so its detached log-probs are
+        # the old ones (the rollout skipped its own policy forward; `PPOConfig.old_logprobs_in_loss`)
+        old_logprobs = logprobs.detach() if args.old_logprobs_in_loss else exp.old_logprobs
+        per_token_pg, pg_stats = policy_loss_per_token(logprobs, old_logprobs, exp.advantages, mask,
+                                                       args.cliprange, args.epsilon_high,
+                                                       args.importance_sampling_level)
         per_token_loss, sums = per_token_pg, {"loss/policy_avg": masked_sum(per_token_pg.detach(), mask)}
-        if args.kl_in_loss:  # GRPO: β·KL per token, β the rollout's (the controller's value when it was made)
+        if args.kl_in_loss and args.uses_reference:  # GRPO: β·KL per token, β the rollout's (the controller's)
             kl = kl_penalty(logprobs, exp.ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
             per_token_loss = per_token_pg + inputs["rollout_stats"]["objective/kl_coef"] * kl
             sums["loss/kl_avg"] = masked_sum(kl.detach(), mask)
@@ -314,6 +333,13 @@ class PPOTrainer(BaseTrainer):
             metrics.add(name, value * tokens, tokens)
         for name, value in inputs["rollout_stats"].items():
             metrics.add(name, value)
+        if args.old_logprobs_in_loss:  # the rollout's policy statistics, from this forward (per sequence means)
+            detached = logprobs.detach()
+            token_kl = kl_penalty(detached, exp.ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
+            beta = inputs["rollout_stats"]["objective/kl_coef"]
+            for name, value in sequence_policy_stats(token_kl, detached, exp.scores, mask, beta).items():
+                if args.uses_reference or name not in KL_METRICS:
+                    metrics.add(name, value.sum(), float(value.numel()))
         if ptx_logits is not None:
             labels = inputs["ptx_labels"][:, 1:]
             ptx_loss = F.cross_entropy(ptx_logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
@@ -358,4 +384,5 @@ class PPOTrainer(BaseTrainer):
 
     def _nonfinite_watch(self, inputs) -> dict:
         stats = inputs["rollout_stats"]  # per rollout, checked before each of its optimizer steps
-        return {"objective/kl": stats["objective/kl"], "objective/raw_scores": stats["objective/raw_scores"]}
+        # (the KL is absent when the loss computes it, `old_logprobs_in_loss`: a non-finite KL makes the loss so)
+        return {name: stats[name] for name in ("objective/kl", "objective/raw_scores") if name in stats}

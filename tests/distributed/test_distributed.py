@@ -99,7 +99,7 @@ class Runs:
         key = (engine, task)
         if key not in self.done:
             out = self.root / f"{engine or 'single'}-{task}"
-            extra = ["--policy_path", self.policy_dir()] if task in PPO_TASKS else []
+            extra = ["--policy_path", self.policy_dir()] if task in (*PPO_TASKS, "grpo_dynamic") else []
             wall = run(launch_cmd(engine, "--task", task, "--out", str(out), "--steps", str(STEPS),
                                   "--global_batch", str(GLOBAL_BATCH), *extra), out)
             result = {"out": out, "wall_s": wall, **json.loads((out / "losses.json").read_text())}
@@ -203,6 +203,19 @@ def test_two_processes_match_one(runs, engine, task):
     # saved by rank 0 with the weights gathered (ZeRO-3), reloaded here: the single-process run's model
     torch.testing.assert_close(reloaded_outputs(task, multi["out"] / "out"),
                                reloaded_outputs(task, single["out"] / "out"), atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("engine", [engine_param(e) for e in ("ddp", "deepspeed_zero3")])
+def test_dynamic_sampling_runs_the_same_rounds_on_every_rank(runs, engine):
+    """filter_groups: each rank drops its own groups, but every rank runs as many generation rounds as the rank that
+    needs the most (a ZeRO-3 generation gathers parameters collectively: unequal rounds would hang)."""
+    multi = runs.get(engine, "grpo_dynamic")
+    calls = [rank["generate_calls"] for rank in multi["ranks"]]
+    logs = [h for h in multi["log_history"] if "filter/gen_batches" in h]
+    # one rollout per optimizer step, one log per step carrying its rollout's rounds; some rollouts refilled
+    assert calls[0] == calls[1] == sum(h["filter/gen_batches"] for h in logs) > STEPS
+    assert sum(h["filter/dropped_groups"] for h in logs) > 0
+    assert all(1 <= h["filter/gen_batches"] <= 3 for h in logs)
 
 
 @pytest.mark.parametrize("engine", [engine_param(e) for e in ENGINES])

@@ -23,14 +23,22 @@ import sys
 
 import torch
 
-TASKS = ("sft", "sft_lora", "reward", "ppo", "grpo", "rloo", "reinforce_pp")
+TASKS = ("sft", "sft_lora", "reward", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic")
 # PPOTrainer's critic-free estimators, each with the options whose statistics cross ranks: GRPO's k3 in the loss with
 # the per-sequence loss_type, RLOO's batch-whitened advantages, REINFORCE++'s globally whitened returns
 ESTIMATORS = {
     "grpo": dict(advantage_estimator="grpo", num_generations=2, kl_in_loss=True, kl_estimator="k3", loss_type="grpo"),
     "rloo": dict(advantage_estimator="rloo", num_generations=2, normalize_advantages=True, loss_type="dr_grpo"),
     "reinforce_pp": dict(advantage_estimator="reinforce_pp"),
+    # DAPO's dynamic sampling: sampled rollouts, a binary reward, so ranks drop different numbers of groups
+    "grpo_dynamic": dict(advantage_estimator="grpo", num_generations=4, filter_groups=True, max_num_gen_batches=3,
+                         epsilon_high=0.28),
 }
+
+
+def has_a_one(prompts, completions, **kwargs):
+    """A binary reward: many groups of the random policy's samples score all 0 (dynamic sampling drops those)."""
+    return [float("1" in c) for c in completions]
 
 
 def record_writes(root: str) -> list[str]:
@@ -124,11 +132,13 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
     args = PPOConfig(**common, learning_rate=3e-3, gradient_accumulation_steps=2, rollout_batch_size=2 * per_device,
                      num_ppo_epochs=1, response_length=6, temperature=1.0, generation_kwargs={"do_sample": False},
                      kl_coef=0.05, kl_target=0.01, kl_horizon=16, reward_normalization="running", **options)
-    if options.get("num_generations", 1) > 1:
+    if task == "grpo_dynamic":
+        args.generation_kwargs = {}  # sampled: groups of equal and of different rewards
+    elif options.get("num_generations", 1) > 1:
         from transformers import LogitsProcessorList
 
         args.generation_kwargs["logits_processor"] = LogitsProcessorList([SecondChoiceOnOddRows()])
-    return PPOTrainer(model, digit_reward, args=args, train_dataset=prompt_dataset(64, seed=0),
+    return PPOTrainer(model, has_a_one if task == "grpo_dynamic" else digit_reward, args=args, train_dataset=prompt_dataset(64, seed=0),
                       processing_class=tokenizer,
                       callbacks=[PlotCallback(["objective/kl", "objective/kl_coef"], filename="ppo_curves.png"),
                                  SampleCompletionsCallback(["1+2=", "3*4="], max_new_tokens=4)])
@@ -170,6 +180,14 @@ def main(argv=None) -> None:
         raise SystemExit(f"global_batch {opts.global_batch} is not divisible by {world} processes")
     trainer = build_trainer(opts.task, os.path.join(opts.out, "out"), opts.steps, opts.global_batch // world,
                             opts.policy_path)
+    if opts.task == "grpo_dynamic":  # generation rounds of this rank (each rank must run as many as the others)
+        trainer.generate_calls, sample = 0, trainer.rollout_maker._sample
+
+        def counted(*args, **kwargs):
+            trainer.generate_calls += 1
+            return sample(*args, **kwargs)
+
+        trainer.rollout_maker._sample = counted
     trainer.train()
     trainer.save_model()
     trainer.save_state()
@@ -186,7 +204,8 @@ def main(argv=None) -> None:
     trainer.accelerator.wait_for_everyone()
     recorded = sorted(set(writes))  # copied before this file is written (the hook keeps recording)
     with open(os.path.join(opts.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"kl_coef": kl.controller.value if kl is not None else None, "writes": recorded}, f)
+        json.dump({"kl_coef": kl.controller.value if kl is not None else None, "writes": recorded,
+                   "generate_calls": getattr(trainer, "generate_calls", None)}, f)
 
 
 if __name__ == "__main__":

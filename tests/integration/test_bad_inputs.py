@@ -8,6 +8,7 @@ test passes only when the error comes first.
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -282,3 +283,16 @@ def test_sft_and_reward_trainers_check_rows_before_they_load_the_model(tmp_path,
                                                                             report_to="none"), train_dataset=rows)
     with pytest.raises(DataValidationError, match=r"row 1, field '(completion|rejected)'"):
         build()
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("no_colon", "--reward_source function needs --reward_function 'package.module:function'"),
+    ("no_such_module_xyz:f", "--reward_function no_such_module_xyz:f: cannot import 'no_such_module_xyz'"),
+    ("hf_rlhf.toy:no_such_function", "module 'hf_rlhf.toy' has no function 'no_such_function'"),
+])
+def test_ppo_a_bad_reward_function_is_one_line(tmp_path, tiny_model_dir, no_model, spec, message):
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "1+2="}])
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", data, "--output_dir", str(tmp_path),
+            "--reward_source", "function", "--reward_function", spec]
+    with pytest.raises(RecipeOptionError, match=re.escape(message)):
+        ppo_recipe.main(argv)

@@ -1,4 +1,4 @@
-"""Faults, for SFT, reward and PPO on the toy world: kill -9 at many points inside a checkpoint save (and between
+"""Faults, for SFT, reward, DPO and PPO on the toy world: kill -9 at many points inside a checkpoint save (and between
 saves) then resume from the latest checkpoint = the uninterrupted run, exactly; broken checkpoints of an older
 in-place writer are skipped by name; an injected NaN loss at a save step stops (nothing saved from that step on) or
 is skipped (the parameters unchanged by that step); huge finite rewards keep their logged mean finite.
@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import TrainerState
 
 import hf_rlhf.checkpoints as checkpoints
-from hf_rlhf import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from hf_rlhf import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from hf_rlhf.checkpoints import checkpoint_problem, latest_complete_checkpoint
 from hf_rlhf.nonfinite import NonFiniteError
 from hf_rlhf.ppo.config import PPOConfig
@@ -61,6 +61,11 @@ def build(kind, output_dir, tokenizer, callbacks=(), trainer_class=None, reward=
         return (trainer_class or RewardTrainer)(build_toy_reward_model(tokenizer, seed=0), args=args,
                                                 train_dataset=preference_dataset(64, seed=1),
                                                 processing_class=tokenizer, callbacks=list(callbacks))
+    if kind == "dpo":  # the reference: a frozen copy of the policy, rebuilt identically on resume
+        args = DPOConfig(per_device_train_batch_size=8, max_length=48, warmup_steps=0, **common)
+        return (trainer_class or DPOTrainer)(build_toy_model(tokenizer, "tiny", seed=0), args=args,
+                                             train_dataset=preference_dataset(64, seed=1),
+                                             processing_class=tokenizer, callbacks=list(callbacks))
     # PPO: a rollout = 2 mini-batches x 2 ppo epochs = 4 optimizer steps; checkpoint-6 cuts a rollout
     from hf_rlhf.toy import prompt_dataset
 
@@ -72,7 +77,7 @@ def build(kind, output_dir, tokenizer, callbacks=(), trainer_class=None, reward=
                                          callbacks=list(callbacks))
 
 
-TARGET_STEP = {"sft": 4, "reward": 4, "ppo": 6}
+TARGET_STEP = {"sft": 4, "reward": 4, "dpo": 4, "ppo": 6}
 
 
 def step_logs(trainer, after=0):
@@ -178,7 +183,7 @@ def kill_when(process, predicate, timeout=120.0):
     assert process.exitcode == -signal.SIGKILL
 
 
-@pytest.mark.parametrize("kind", ["sft", "reward", "ppo"])
+@pytest.mark.parametrize("kind", ["sft", "reward", "dpo", "ppo"])
 def test_kill_inside_and_between_saves_then_resume_is_exact(tmp_path, tokenizer, kind, caplog):
     full = build(kind, tmp_path / "full", tokenizer)
     full.train()
@@ -278,10 +283,10 @@ class _Params(TrainerCallback):
                                          if p.requires_grad}
 
 
-CLASSES = {"sft": SFTTrainer, "reward": RewardTrainer, "ppo": PPOTrainer}
+CLASSES = {"sft": SFTTrainer, "reward": RewardTrainer, "dpo": DPOTrainer, "ppo": PPOTrainer}
 
 
-@pytest.mark.parametrize("kind", ["sft", "reward", "ppo"])
+@pytest.mark.parametrize("kind", ["sft", "reward", "dpo", "ppo"])
 def test_nan_at_a_save_step_stops_without_saving_it(tmp_path, tokenizer, kind, caplog):
     params = _Params()
     trainer = build(kind, tmp_path / "out", tokenizer, callbacks=[params],
@@ -305,7 +310,7 @@ def test_nan_at_a_save_step_stops_without_saving_it(tmp_path, tokenizer, kind, c
     assert not os.path.exists(out / "model.safetensors") and not os.path.exists(out / "policy")
 
 
-@pytest.mark.parametrize("kind", ["sft", "reward", "ppo"])
+@pytest.mark.parametrize("kind", ["sft", "reward", "dpo", "ppo"])
 def test_nan_at_a_save_step_is_skipped_with_skip_policy(tmp_path, tokenizer, kind):
     params = _Params()
     trainer = build(kind, tmp_path / "out", tokenizer, callbacks=[params], nonfinite_policy="skip",

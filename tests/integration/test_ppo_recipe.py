@@ -102,3 +102,20 @@ def test_callbacks_for_a_fixed_and_an_adaptive_kl_coefficient():
         assert (plot.bands or {}).get("objective/kl") == band
         samples = next(c for c in callbacks if isinstance(c, SampleCompletionsCallback))
         assert samples.prompts == ["1+2=", "3+4="]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_a_group_estimator_alone_runs_the_toy_recipe(tmp_path, tiny_model_dir, estimator):
+    """`accelerate launch recipes/ppo.py --advantage_estimator grpo` with no other option: num_generations takes TRL's
+    8, the toy's reward function and sizes do the rest (here only shrunk to a few steps, with no G given)."""
+    out = tmp_path / "out"
+    results = recipe.main(["--advantage_estimator", estimator, "--sft_model_path", str(tiny_model_dir),
+                           "--output_dir", str(out), "--toy_train_size", "64", "--toy_test_size", "8",
+                           "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
+                           "--rollout_batch_size", "16", "--num_ppo_epochs", "1", "--max_steps", "2",
+                           "--logging_steps", "1", "--sample_prompts", "0", "--plot", "false", "--disable_tqdm", "true"])
+    with open(out / "trainer_state.json") as f:
+        logs = [h for h in json.load(f)["log_history"] if "objective/raw_scores" in h]
+    assert len(logs) == 2 and all("loss/policy_avg" in h for h in logs)
+    assert 0.0 <= results["after"]["exact_match"] <= 1.0
+    assert not os.path.exists(out / "value")  # critic-free: no value function saved

@@ -90,3 +90,15 @@ def test_the_recipe_takes_the_estimator_on_the_command_line():
     assert args.prompts_per_rollout == 64
     with pytest.raises(SystemExit):
         parse(path, "--advantage_estimator", "ppo2")  # not one of the choices
+
+
+@pytest.mark.parametrize("estimator,expected", [("gae", 1), ("grpo", 8), ("rloo", 8), ("reinforce_pp", 1),
+                                                ("reinforce_pp_baseline", 8)])
+def test_num_generations_defaults_to_trls_for_group_estimators(tmp_path, estimator, expected):
+    """`--advantage_estimator grpo` alone runs: G = 8 (trl.GRPOConfig's default) for the estimators whose baseline
+    is the prompt's group, 1 for the others; a given value is kept."""
+    args = PPOConfig(output_dir=str(tmp_path), advantage_estimator=estimator, rollout_batch_size=16,
+                     per_device_train_batch_size=8)
+    assert args.num_generations == expected
+    assert PPOConfig(output_dir=str(tmp_path), advantage_estimator=estimator, num_generations=4,
+                     per_device_train_batch_size=8).num_generations == 4

@@ -92,7 +92,7 @@ def test_config_defaults_are_ppo(tmp_path):
 
 @pytest.mark.parametrize("options, message", [
     (dict(advantage_estimator="ppo"), r"PPOConfig.advantage_estimator='ppo'; expected one of \['gae'"),
-    (dict(advantage_estimator="grpo"), "needs num_generations >= 2"),
+    (dict(advantage_estimator="grpo", num_generations=1), "needs num_generations >= 2"),  # None: 8 (TRL)
     (dict(advantage_estimator="rloo", num_generations=1), "needs num_generations >= 2"),
     (dict(advantage_estimator="grpo", num_generations=3), r"rollout_batch_size=4 \(completions per rollout\) must "
                                                           "be a multiple of num_generations=3"),

@@ -10,7 +10,7 @@ import torch
 import trl
 from transformers import HfArgumentParser, TrainingArguments
 
-from hf_rlhf import ModelConfig, RewardConfig, SFTConfig
+from hf_rlhf import DPOConfig, ModelConfig, RewardConfig, SFTConfig
 from hf_rlhf.config_checks import RENAMED, check_field_types
 from hf_rlhf.configs import DataOptions, PreferenceDataOptions, SFTDataOptions
 from hf_rlhf.losses import dft_loss
@@ -60,7 +60,35 @@ REWARD_VALUES = {
     "activation_offloading": (True, "ok" if CUDA else "RewardConfig.activation_offloading=True moves activations"),
     "pad_token": ("<pad>", "ok"),
 }
-PAIRS = [(trl.SFTConfig, SFTConfig, SFT_VALUES), (trl.RewardConfig, RewardConfig, REWARD_VALUES)]
+DPO_VALUES = {
+    "model_init_kwargs": ({"dtype": "bfloat16"}, "ok"),
+    "trust_remote_code": (True, "ok"),
+    "router_aux_loss_coef": (0.001, "DPOConfig.router_aux_loss_coef: the MoE router auxiliary loss is not added"),
+    "disable_dropout": (False, "ok"),
+    "dataset_num_proc": (2, "ok"),
+    "max_length": (512, "ok"),
+    "truncation_mode": ("keep_end", "ok"),
+    "padding_free": (True, "DPOConfig.padding_free=True: DPOTrainer builds padded"),
+    "pad_to_multiple_of": (8, "ok"),
+    "precompute_ref_log_probs": (True, "ok"),
+    "precompute_ref_batch_size": (16, "ok"),
+    "loss_type": (["sigmoid", "bco_pair", "sft"], "ok"),
+    "loss_weights": ([1.0], "ok"),
+    "ld_alpha": (0.5, "ok"),
+    "f_divergence_type": ("alpha_divergence", "ok"),
+    "f_alpha_divergence_coef": (0.3, "ok"),
+    "label_smoothing": (0.1, "ok"),
+    "beta": (0.5, "ok"),
+    "use_weighting": (True, "ok"),
+    "discopop_tau": (0.1, "ok"),
+    "activation_offloading": (True, "ok" if CUDA else "DPOConfig.activation_offloading=True moves activations"),
+    "sync_ref_model": (True, "DPOConfig.sync_ref_model=True"),
+    "ref_model_mixup_alpha": (0.5, "ok"),
+    "ref_model_sync_steps": (64, "ok"),
+    "pad_token": ("<pad>", "ok"),
+}
+PAIRS = [(trl.SFTConfig, SFTConfig, SFT_VALUES), (trl.RewardConfig, RewardConfig, REWARD_VALUES),
+         (trl.DPOConfig, DPOConfig, DPO_VALUES)]
 
 
 def trl_fields(trl_cls):
@@ -96,6 +124,17 @@ def test_documented_values_are_accepted_or_refused_with_a_reason(tmp_path, trl_c
     print(f"{trl_cls.__name__}: {accepted} of {len(values)} TRL fields accepted; refused: {refused}")
 
 
+def test_dpo_loss_options(tmp_path):
+    assert DPOConfig(output_dir=str(tmp_path), loss_type="ipo").loss_type == ["ipo"]  # a name, as TRL
+    assert DPOConfig(output_dir=str(tmp_path), loss_type="sigmoid,sft").loss_type == ["sigmoid", "sft"]  # CLI
+    for bad, message in (({"loss_type": "dpo"}, "DPOConfig.loss_type=\\['dpo'\\]; expected one or more of"),
+                         ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, "has 1 weights for 2 loss types"),
+                         ({"loss_type": "exo_pair"}, "takes log\\(label_smoothing\\)"),
+                         ({"beta": 0.0}, "beta must be > 0"), ({"label_smoothing": 0.5}, "label_smoothing must be in")):
+        with pytest.raises(ValueError, match=message):
+            DPOConfig(output_dir=str(tmp_path), **bad)
+
+
 def test_trl_spellings_are_converted_as_trl_does(tmp_path):
     args = SFTConfig(output_dir=str(tmp_path), pad_to_multiple_of="auto", loss_type="chunked_nll",
                      packing_strategy="bfd-requeue", model_init_kwargs='{"dtype": "bfloat16"}',
@@ -112,7 +151,7 @@ def test_trl_spellings_are_converted_as_trl_does(tmp_path):
 
 # -- types ---------------------------------------------------------------------------------------------
 
-CONFIGS = [(SFTConfig, True), (RewardConfig, True), (PPOConfig, True), (ModelConfig, False), (DataOptions, False),
+CONFIGS = [(SFTConfig, True), (RewardConfig, True), (DPOConfig, True), (PPOConfig, True), (ModelConfig, False), (DataOptions, False),
            (SFTDataOptions, False), (PreferenceDataOptions, False)]
 
 
@@ -179,7 +218,8 @@ def test_command_line_values_are_parsed_then_checked(tmp_path):
                                            (PPOConfig, "init_kl_coef", "kl_coef"),
                                            (PPOConfig, "adap_kl_ctrl", "kl_target"),
                                            (PPOConfig, "target", "kl_target"),
-                                           (PPOConfig, "horizon", "kl_horizon")])
+                                           (PPOConfig, "horizon", "kl_horizon"),
+                                           (PPOConfig, "epsilon", "cliprange")])  # TRL GRPOConfig's name
 def test_old_option_names_name_the_new_one(tmp_path, cls, old, new):
     kwargs = {} if cls is DataOptions else {"output_dir": str(tmp_path)}
     with pytest.raises(TypeError, match=f"{cls.__name__}: '{old}' is no longer an option: use '{new}'"):
@@ -197,6 +237,7 @@ def test_other_unknown_options_stay_plain_errors(tmp_path):
     ((ModelConfig, SFTConfig), ["--model_name_or_path=m", "--max-seq-length=512"], "max_seq_length"),
     ((ModelConfig, PPOConfig), ["--model_name_or_path", "m", "--init_kl_coef", "0.1"], "init_kl_coef"),
     ((ModelConfig, PPOConfig), ["--model_name_or_path", "m", "--adap_kl_ctrl", "true"], "adap_kl_ctrl"),
+    ((ModelConfig, PPOConfig), ["--model_name_or_path", "m", "--epsilon", "0.2"], "epsilon"),
 ])
 def test_old_option_names_on_the_command_line(types, argv, old):
     with pytest.raises(TypeError, match=f"'{old}' is no longer an option: use '{RENAMED[old][0]}'"):
@@ -234,3 +275,16 @@ def test_dft_loss_by_hand():
     logits.requires_grad_(True)
     dft_loss(logits, labels).backward()
     assert logits.grad[0, 2].abs().sum() == 0  # the last position predicts nothing
+
+
+def test_an_old_option_name_ends_a_recipe_with_one_line(capsys):
+    """`recipes/ppo.py --epsilon 0.2` (TRL GRPO's name): `[hf_rlhf] error: ...` naming cliprange, exit 1, no traceback."""
+    from hf_rlhf.cli.errors import run_recipe
+
+    def main():
+        parse_recipe_args((ModelConfig, PPOConfig), ["--model_name_or_path", "m", "--epsilon", "0.2"], "unused.yaml")
+
+    with pytest.raises(SystemExit) as exit_:
+        run_recipe(main)
+    message = str(exit_.value.code)
+    assert message.startswith("[hf_rlhf] error: ") and "use 'cliprange'" in message and "\n" not in message

@@ -68,3 +68,74 @@ def test_a_few_ppo_steps_train(tmp_path, model_type):
                                   for h in logs), logs
     changed = [n for n, p in trainer.model.policy.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) > len(before) // 2, (len(changed), len(before))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gemma2", "qwen2_moe"])
+def test_old_logprobs_from_the_loss_equal_the_rollout_forward(tmp_path, model_type, monkeypatch):
+    """GRPO with one optimizer step per rollout, β fixed in the loss: the rollout skips its policy forward and the
+    loss's detached log-probs are the old ones (`PPOConfig.old_logprobs_in_loss`). The run logs the same losses,
+    KL and entropy and ends with the same weights as with the rollout forward (forced back on), with one policy
+    forward fewer per rollout micro-batch."""
+    def run(skip: bool):
+        if not skip:
+            monkeypatch.setattr(PPOConfig, "old_logprobs_in_loss", property(lambda self: False))
+        args = PPOConfig(output_dir=str(tmp_path / f"out{skip}"), per_device_train_batch_size=4,
+                         gradient_accumulation_steps=2, rollout_batch_size=8, num_ppo_epochs=1, response_length=4,
+                         max_steps=2, logging_steps=1, save_strategy="no", report_to="none", learning_rate=1e-2,
+                         seed=0, disable_tqdm=True, advantage_estimator="grpo", num_generations=4, kl_in_loss=True,
+                         kl_estimator="k3", kl_coef=0.1, local_rollout_forward_batch_size=8)
+        assert args.old_logprobs_in_loss is skip
+        trainer = PPOTrainer(build(model_type), lambda prompts, completions, **kw: [len(c) % 3 for c in completions],
+                             args=args, train_dataset=prompt_dataset(16, seed=0), processing_class=TOKENIZER)
+        calls = []
+        trainer.model.policy.register_forward_pre_hook(lambda module, args: calls.append(torch.is_grad_enabled()))
+        trainer.train()
+        monkeypatch.undo()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        weights = {n: p.detach().clone() for n, p in trainer.model.policy.named_parameters()}
+        return logs, weights, calls
+
+    (skipped, w_skipped, calls_skipped), (full, w_full, calls_full) = run(True), run(False)
+    for a, b in zip(skipped, full):
+        for key in ("loss", "grad_norm", "loss/policy_avg", "loss/kl_avg", "objective/kl", "objective/entropy",
+                    "objective/rlhf_reward", "objective/scores", "val/ratio"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (key, a[key], b[key])
+    for name in w_full:
+        assert_close(w_skipped[name], w_full[name], atol=1e-5, rtol=1e-4, msg=name)
+    no_grad = lambda calls: sum(not grad for grad in calls)  # noqa: E731  rollout forwards (generation steps too)
+    assert no_grad(calls_full) - no_grad(calls_skipped) == 2  # one policy forward per rollout, 2 rollouts
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_beta_zero_builds_and_runs_no_reference(tmp_path, model_type, lora):
+    """β fixed at 0 (TRL's GRPO default): no frozen copy is built, no reference forward runs (adapters-off either),
+    the KL metrics are not logged, and the policy trains; the same run with a tiny β makes the reference forward."""
+    from peft import LoraConfig
+
+    def run(kl_coef):
+        args = PPOConfig(output_dir=str(tmp_path / f"out{kl_coef}"), per_device_train_batch_size=4,
+                         gradient_accumulation_steps=2, rollout_batch_size=8, num_ppo_epochs=1, response_length=4,
+                         max_steps=2, logging_steps=1, save_strategy="no", report_to="none", learning_rate=1e-2,
+                         seed=0, disable_tqdm=True, advantage_estimator="grpo", num_generations=4, kl_in_loss=True,
+                         kl_coef=kl_coef, local_rollout_forward_batch_size=8)
+        peft_config = LoraConfig(r=4, target_modules="all-linear") if lora else None
+        trainer = PPOTrainer(build(model_type), lambda prompts, completions, **kw: [len(c) % 3 for c in completions],
+                             args=args, train_dataset=prompt_dataset(16, seed=0), processing_class=TOKENIZER,
+                             peft_config=peft_config)
+        reference_calls = []
+        original = trainer.rollout_maker._reference_logits
+        trainer.rollout_maker._reference_logits = lambda *a: reference_calls.append(1) or original(*a)
+        before = {n: p.detach().clone() for n, p in trainer.model.policy.named_parameters() if p.requires_grad}
+        trainer.train()
+        changed = any(not torch.equal(p, before[n]) for n, p in trainer.model.policy.named_parameters()
+                      if p.requires_grad)
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        return trainer, reference_calls, changed, logs
+
+    trainer, calls, changed, logs = run(0.0)
+    assert trainer.ref_model is None and not calls and changed
+    assert all("objective/kl" not in h and "loss/kl_avg" not in h and "objective/entropy" in h for h in logs)
+    trainer, calls, changed, logs = run(0.01)
+    assert (trainer.ref_model is None) == lora and len(calls) == 2  # adapters off, or the frozen copy
+    assert all("objective/kl" in h and "loss/kl_avg" in h for h in logs)

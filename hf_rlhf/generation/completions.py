@@ -1,4 +1,4 @@
-"""Greedy completions of a batch of prompts (left padded), for evaluation and logged samples."""
+"""Greedy completions of a batch of prompts (left padded), for evaluation and logged samples (decoded text)."""
 
 from __future__ import annotations
 

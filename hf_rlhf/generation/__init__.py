@@ -1,0 +1,9 @@
+"""Generation: decoded greedy completions (`generate_completions`, for evaluation and logged samples) and the
+rollout's generation engines (`GenerationEngine`, `build_engine`, `PPOConfig.generation_backend`)."""
+
+from .completions import generate_completions
+from .engines import (GENERATION_BACKENDS, EngineStats, GenerateEngine, GenerationEngine, GenerationOutput,
+                      StaticCacheEngine, build_engine)
+
+__all__ = ["GENERATION_BACKENDS", "EngineStats", "GenerateEngine", "GenerationEngine", "GenerationOutput",
+           "StaticCacheEngine", "build_engine", "generate_completions"]

@@ -1,0 +1,210 @@
+"""Generation engines: how a rollout turns left-padded prompts into sampled response tokens.
+
+One small interface, `GenerationEngine.generate(model, query_ids, query_mask, ...) -> GenerationOutput`, with
+two in-process implementations on transformers' own `generate`:
+
+- `generate` (`GenerateEngine`): `model.generate` with the dynamic KV cache, today's path and the reference.
+- `static` (`StaticCacheEngine`): `model.generate(cache_implementation="static")` (a pre-allocated `StaticCache`)
+  with the decoding forward compiled by transformers' auto-compile (`CompileConfig`, `torch.compile`; inductor on
+  CPU, CUDA graphs on GPUs). Prompts are left-padded to a multiple of `bucket` columns so that a new prompt
+  length reuses the compiled graph of its bucket instead of recompiling (the cache length is bucket + new
+  tokens). The compile is paid on the first call of each (batch, bucket) shape and counted in `stats`.
+
+Both read the live module they are given (no weight copy): after an optimizer step the next call samples from
+the new weights. An engine that keeps its own copy of the weights (a vLLM-like server) implements
+`sync_weights(model)`, which the trainer's side calls after each optimizer step; in-process engines make it a
+no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("hf_rlhf")
+
+GENERATION_BACKENDS = ("generate", "static")
+
+
+@dataclass
+class GenerationOutput:
+    """What an engine returns.
+
+    response_ids: (B, R) the new tokens only (R <= max_new_tokens; rows that stopped early are padded with
+        `pad_token_id` after their stop token).
+    logprobs: (B, R) log-probabilities of `response_ids` under the sampling distribution at `temperature`, or
+        None where the engine cannot give them exactly and cheaply (both engines here: the trainer recomputes
+        them in its own forward).
+    """
+
+    response_ids: torch.LongTensor
+    logprobs: torch.Tensor | None = None
+
+
+@dataclass
+class EngineStats:
+    """Running totals of one engine. compile_seconds: wall time of the calls that hit a new shape (compile
+    included; 0 for an engine that does not compile); compiles: how many such shapes."""
+
+    calls: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    shapes: set = field(default_factory=set, repr=False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens (B x R, all calls) per second of generation, compile included."""
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(calls=self.calls, new_tokens=self.new_tokens, seconds=self.seconds, compiles=self.compiles,
+                    compile_seconds=self.compile_seconds, tokens_per_second=self.tokens_per_second)
+
+
+class GenerationEngine:
+    """Base class: sample responses for a batch of left-padded prompts.
+
+    Subclasses implement `_generate`; `generate` times it and keeps `stats`.
+    """
+
+    name = "base"
+
+    def __init__(self):
+        self.stats = EngineStats()
+
+    def check_model(self, model) -> None:
+        """Raise a ValueError naming the architecture and the reason when this engine cannot serve `model`."""
+
+    def sync_weights(self, model) -> None:
+        """Hook called after each optimizer step with the updated policy. In-process engines read the live
+        module, so this is a no-op; an engine holding its own weights (another process, a server) copies them
+        here (under ZeRO-3 the caller gathers them first)."""
+
+    def generate(self, model, query_ids, query_mask, *, max_new_tokens: int, do_sample: bool = True,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
+                 pad_token_id: int, generation_kwargs: dict | None = None) -> GenerationOutput:
+        """Sample (or, with do_sample=False, greedily decode) up to `max_new_tokens` per row.
+
+        Args:
+            model: a `PreTrainedModel` or `PeftModel` in eval mode (already unwrapped/gathered by the caller).
+            query_ids: (B, P) left-padded prompt ids; query_mask: (B, P), 0 on the padding.
+            eos_token_id: stop token (None: every row runs to max_new_tokens).
+            generation_kwargs: extra `generate` arguments (override the ones above).
+
+        Returns:
+            `GenerationOutput` with response_ids (B, R).
+        """
+        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_token_id,
+                      eos_token_id=eos_token_id, use_cache=True)
+        if do_sample:
+            kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)
+        kwargs.update(generation_kwargs or {})
+        shape = self._shape_key(query_ids, max_new_tokens)
+        new_shape = shape is not None and shape not in self.stats.shapes
+        start = time.perf_counter()
+        response_ids = self._generate(model, query_ids, query_mask, kwargs)
+        seconds = time.perf_counter() - start
+        stats = self.stats
+        stats.calls += 1
+        stats.new_tokens += response_ids.numel()
+        stats.seconds += seconds
+        if new_shape:
+            stats.shapes.add(shape)
+            stats.compiles += 1
+            stats.compile_seconds += seconds
+            logger.info("generation engine %r: first call of shape %s took %.1f s (compile included)", self.name,
+                        shape, seconds)
+        return GenerationOutput(response_ids)
+
+    def _shape_key(self, query_ids, max_new_tokens):
+        """The shape that triggers a compile (None: this engine never compiles)."""
+        return None
+
+    def _generate(self, model, query_ids, query_mask, kwargs) -> torch.LongTensor:
+        raise NotImplementedError
+
+
+class GenerateEngine(GenerationEngine):
+    """transformers' `generate` with its default dynamic cache (the reference engine)."""
+
+    name = "generate"
+
+    def _generate(self, model, query_ids, query_mask, kwargs):
+        out = model.generate(input_ids=query_ids, attention_mask=query_mask, **kwargs)
+        return out[:, query_ids.shape[1]:]
+
+
+def _base_model(model):
+    """The transformers model under a peft wrapper (its config and compile flags)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+class StaticCacheEngine(GenerationEngine):
+    """transformers' `generate` with a `StaticCache`, the decoding step compiled, prompts bucketed.
+
+    Args:
+        compile: compile the decoding forward (transformers' auto-compile, forced on CPU too); False runs the
+            static cache eagerly (same tokens, no compile: what the equality tests check).
+        bucket: prompts are left-padded to a multiple of this many columns (one compiled graph per bucket).
+        compile_mode: `torch.compile` mode; None: "reduce-overhead" (CUDA graphs) on CUDA, "default" elsewhere.
+    """
+
+    name = "static"
+
+    def __init__(self, compile: bool = True, bucket: int = 32, compile_mode: str | None = None):
+        super().__init__()
+        self.compile, self.bucket, self.compile_mode = compile, bucket, compile_mode
+
+    def check_model(self, model) -> None:
+        base = _base_model(model)
+        if not getattr(base, "_can_compile_fullgraph", False):
+            raise ValueError(
+                f"PPOConfig.generation_backend='static' cannot serve {type(base).__name__} "
+                f"(model_type={base.config.model_type!r}): transformers does not support a static KV cache for "
+                "it (`_can_compile_fullgraph` is False); use generation_backend='generate'.")
+
+    def _shape_key(self, query_ids, max_new_tokens):
+        if not self.compile:
+            return None
+        return (query_ids.shape[0], self._bucketed(query_ids.shape[1]), max_new_tokens)
+
+    def _bucketed(self, length: int) -> int:
+        return -(-length // self.bucket) * self.bucket
+
+    def _compile_config(self, device):
+        from transformers import CompileConfig
+
+        mode = self.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
+        config = CompileConfig(fullgraph=False, mode=mode)
+        config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+        return config
+
+    def _generate(self, model, query_ids, query_mask, kwargs):
+        width = self._bucketed(query_ids.shape[1])
+        extra = width - query_ids.shape[1]
+        if extra:  # left padding: every row's last prompt token stays in the last column
+            query_ids = F.pad(query_ids, (extra, 0), value=kwargs["pad_token_id"])
+            query_mask = F.pad(query_mask, (extra, 0), value=0)
+        kwargs = dict(kwargs, cache_implementation="static")
+        if self.compile:
+            kwargs["compile_config"] = self._compile_config(query_ids.device)
+        else:
+            kwargs["disable_compile"] = True
+        out = model.generate(input_ids=query_ids, attention_mask=query_mask, **kwargs)
+        return out[:, width:]
+
+
+def build_engine(backend: str, **kwargs) -> GenerationEngine:
+    """The engine of `PPOConfig.generation_backend` (one of `GENERATION_BACKENDS`)."""
+    if backend == "generate":
+        return GenerateEngine()
+    if backend == "static":
+        return StaticCacheEngine(**kwargs)
+    raise ValueError(f"generation_backend={backend!r}; expected one of {list(GENERATION_BACKENDS)}")

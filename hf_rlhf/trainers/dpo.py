@@ -1,0 +1,296 @@
+"""DPOTrainer: direct preference optimisation (the DPO family, SimPO, ORPO) as a thin `transformers.Trainer` subclass.
+
+What it adds to `Trainer` (through `BaseTrainer`): trl 1.16's `DPOTrainer` signature and `DPOConfig` fields; TRL's
+preference formats checked row by row before any model loads and tokenized as TRL does (`hf_rlhf.data.dpo`); TRL's
+padded chosen‖rejected batches (`trl`'s own `DataCollatorForPreference`); and
+
+- `compute_loss`: one policy forward over the 2B sequences, summed completion log-probs (`preference_losses.
+  completion_logps`), the reference's (below), then `preference_losses.combined_loss` (every TRL `loss_type`,
+  `loss_weights`, WPO weights, f-divergences, LD-DPO; SimPO and ORPO reference-free). Logs TRL 1.16's metrics:
+  `rewards/{chosen,rejected,accuracies,margins}`, `logps/{chosen,rejected}`, `logits/{chosen,rejected}`, `entropy`,
+  `mean_token_accuracy`, `num_tokens`.
+- The reference: a given `ref_model` (frozen); else, for a LoRA / QLoRA policy, the same model with its adapters off
+  (`hf_rlhf.adapters.adapter_scope`; no second model); else a frozen copy of the policy taken before training; none
+  for reference-free losses. `precompute_ref_log_probs`: computed once, stored as dataset columns and in
+  `output_dir/ref_logps/<split>-<fingerprint>.pt`, so a resumed run reads them back instead of recomputing them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers import AutoModelForCausalLM, TrainingArguments
+from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+from ..adapters import adapter_scope
+from ..collators.dpo import PrefixSharedPreferenceCollator
+from ..configs import DPOConfig, ModelConfig
+from ..data import ensure_pad_token, main_process_first_if_cached
+from ..data.dpo import check_dpo_rows, prepare_dpo_dataset
+from ..models import check_trainable, resolve_model
+from ..packing_check import check_packing_exact
+from ..preference_losses import (
+    REFERENCE_FREE_LOSS_TYPES,
+    combined_loss,
+    completion_logps,
+    gathered_completion_logps,
+    needs_reference,
+    wpo_weights,
+)
+from ..reward_models import disable_dropout, reward_config_of
+from .base import BaseTrainer
+
+logger = logging.getLogger("hf_rlhf")
+
+_NON_MODEL_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps", "row_index", "logit_index",
+                   "target_ids", "gather_mask", "sequence_lengths")
+
+
+class DPOTrainer(BaseTrainer):
+    """Train a causal LM on preference pairs with DPO or one of its variants.
+
+    Takes `trl.DPOTrainer`'s (1.16) arguments, in its order and with its names, plus `model_config` (by keyword).
+
+    Args:
+        model: a hub id or local path (loaded as a causal LM through `model_config` / `args.model_init_kwargs`), a
+            `PreTrainedModel`, or a `PeftModel`.
+        ref_model: the reference (a model or a path); None: adapters off for a peft policy, else a frozen copy of
+            `model`. Unused (and not built) for reference-free losses (`simpo`, `orpo`, `sft`).
+        args: a `DPOConfig`, or a `TrainingArguments` (converted as TRL does).
+        data_collator: default: TRL's `DataCollatorForPreference` (padded [chosen; rejected], `completion_mask`).
+        train_dataset / eval_dataset: rows in a TRL preference format (explicit / implicit prompt, plain text or
+            conversational; extra columns such as `tools` are read), or tokenized `prompt_ids` / `chosen_ids` /
+            `rejected_ids`; eval: also a dict of them.
+        processing_class: the tokenizer. Default: loaded from the model's path.
+        compute_metrics, callbacks, optimizers: as for `Trainer`.
+        quantization_config: a `BitsAndBytesConfig` for a model given as a path (needs a peft adapter).
+        peft_config: a peft config; default: LoRA from `model_config.use_peft`.
+        model_config: how to load `model` when it is a string, and the LoRA / QLoRA options.
+
+    Example:
+        >>> trainer = DPOTrainer("path/to/sft-model", args=DPOConfig(output_dir="dpo", beta=0.1),
+        ...                      train_dataset=pairs, model_config=ModelConfig(use_peft=True))
+        >>> trainer.train()
+    """
+
+    config_class = DPOConfig
+    default_output_dir = "dpo-output"
+    counts_tokens = True
+    feature_columns = ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps")
+    loss_is_scaled_for_ga = False  # the loss is a mean over the batch's pairs; the Trainer divides by GA steps
+
+    def __init__(self, model, ref_model=None, args: DPOConfig | TrainingArguments | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, *,
+                 model_config: ModelConfig | None = None, **kwargs):
+        self.check_extra_kwargs(kwargs)
+        args = self.resolve_args(args)
+        init_kwargs = self.model_init_kwargs(model, args, quantization_config)
+        checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_dpo_rows(d, args))
+        model, model_config = resolve_model(model, model_config, AutoModelForCausalLM, **init_kwargs)
+        processing_class = self.resolve_tokenizer(processing_class, model, args)
+        ensure_pad_token(processing_class, args.pad_token)
+
+        uses_reference = needs_reference(args.loss_type)
+        adapts = is_peft_model(model) or peft_config is not None or bool(model_config and model_config.use_peft)
+        if not uses_reference:
+            if ref_model is not None:
+                logger.warning("ref_model is unused: loss_type %s needs no reference", args.loss_type)
+            ref_model = None
+        elif isinstance(ref_model, str):
+            ref_model, _ = resolve_model(ref_model, None, AutoModelForCausalLM,
+                                         **{k: v for k, v in init_kwargs.items() if k != "quantization_config"})
+        elif ref_model is None and not adapts:
+            ref_model = copy.deepcopy(model)  # the policy as it starts: frozen below
+        if ref_model is model:
+            raise ValueError("ref_model is the policy model itself; pass a separate copy, or None for a frozen copy.")
+
+        attn = getattr(reward_config_of(model), "_attn_implementation", None)
+        if args.prefix_sharing and attn not in ("sdpa", "eager"):
+            raise ValueError(f"prefix_sharing needs a custom attention mask, which {attn!r} attention does not take; "
+                             "use attn_implementation='sdpa' or 'eager'.")
+        model = self.add_peft(model, model_config, args, peft_config, task_type="CAUSAL_LM")
+        check_trainable(model)
+        if args.prefix_sharing and args.packing_check:  # refuse a model on which the layout is not exact
+            check_packing_exact(model, "prefix_sharing", args.max_length)
+        if args.disable_dropout:
+            disable_dropout(model)
+        if ref_model is not None:
+            if args.disable_dropout:
+                disable_dropout(ref_model)
+            ref_model.eval().requires_grad_(False)
+
+        prepare = lambda d, name: self._prepare(d, processing_class, args, name, id(d) in checked)  # noqa: E731
+        train_dataset = prepare(train_dataset, "train")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: prepare(v, f"eval_{k}") for k, v in eval_dataset.items()}
+        else:
+            eval_dataset = prepare(eval_dataset, "eval")
+        if data_collator is None and args.prefix_sharing:
+            data_collator = PrefixSharedPreferenceCollator(processing_class.pad_token_id, args.max_length,
+                                                           args.pad_to_multiple_of)
+        elif data_collator is None:
+            data_collator = DataCollatorForPreference(
+                pad_token_id=processing_class.pad_token_id, max_length=args.max_length,
+                truncation_mode=args.truncation_mode, pad_to_multiple_of=args.pad_to_multiple_of)
+
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
+        self.label_names = []  # no labels: the loss is the model's own
+        self.uses_reference = uses_reference
+        self._eager = attn == "eager"
+        self.ref_model = None
+        if ref_model is not None:
+            if self.is_deepspeed_enabled:
+                from trl.models import prepare_deepspeed
+
+                self.ref_model = prepare_deepspeed(ref_model, self.accelerator)
+            else:
+                self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        if args.precompute_ref_log_probs and uses_reference:
+            self.train_dataset = self._with_ref_logps(self.train_dataset, "train", args.per_device_train_batch_size)
+            if isinstance(self.eval_dataset, dict):
+                self.eval_dataset = {k: self._with_ref_logps(v, f"eval_{k}", args.per_device_eval_batch_size)
+                                     for k, v in self.eval_dataset.items()}
+            else:
+                self.eval_dataset = self._with_ref_logps(self.eval_dataset, "eval", args.per_device_eval_batch_size)
+
+    # -- data ----------------------------------------------------------------------------------
+    @staticmethod
+    def _prepare(dataset, tokenizer, args, name, rows_checked):
+        if dataset is None:
+            return None
+        with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
+            prepared = prepare_dpo_dataset(dataset, tokenizer, args, rows_checked=rows_checked)
+        logger.info("%s dataset: %d pairs", name, len(prepared))
+        return prepared
+
+    # -- reference log-probs -------------------------------------------------------------------
+    def _model_inputs(self, inputs: dict) -> dict:
+        model_inputs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
+        model_inputs["use_cache"] = False
+        mask = model_inputs.get("attention_mask")
+        if mask is not None and mask.ndim == 4 and self._eager:
+            # eager attention adds the mask to its scores: the prefix-sharing boolean mask becomes 0 / -inf-like
+            model_inputs["attention_mask"] = torch.zeros(mask.shape, device=mask.device).masked_fill(
+                ~mask, torch.finfo(torch.float32).min)
+        return model_inputs
+
+    def _statistics(self, logits: torch.Tensor, inputs: dict) -> dict:
+        """Per-sequence completion log-probs (chosen rows, then rejected) and token statistics of either layout."""
+        if "logit_index" in inputs:  # prefix sharing
+            return gathered_completion_logps(logits, inputs["row_index"], inputs["logit_index"],
+                                             inputs["target_ids"], inputs["gather_mask"], self.args.ld_alpha)
+        return completion_logps(logits, inputs["input_ids"], inputs["completion_mask"], self.args.ld_alpha)
+
+    @torch.no_grad()
+    def _reference_logps(self, model_inputs: dict, inputs: dict):
+        """(chosen (B,), rejected (B,)) summed completion log-probs under the reference."""
+        if self.ref_model is not None:
+            logits = self.ref_model(**model_inputs).logits
+        else:  # a peft policy: the base with every adapter off
+            with adapter_scope(self.accelerator.unwrap_model(self.model), None):
+                logits = self.model(**model_inputs).logits
+        return self._statistics(logits, inputs)["logps"].chunk(2)
+
+    def _with_ref_logps(self, dataset, name: str, batch_size: int):
+        """`dataset` with `ref_chosen_logps` / `ref_rejected_logps` columns, read from `output_dir/ref_logps/` when a
+        previous run (or the run being resumed) stored them, else computed once and stored there."""
+        if dataset is None or "ref_chosen_logps" in dataset.column_names:
+            return dataset
+        path = os.path.join(self.args.output_dir, "ref_logps", f"{name}-{dataset._fingerprint}.pt")
+        if os.path.exists(path):
+            stored = torch.load(path)
+            logger.info("reference log-probs of the %s set read from %s", name, path)
+        else:
+            size = self.args.precompute_ref_batch_size or batch_size
+            loader = torch.utils.data.DataLoader(dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]),
+                                                 batch_size=size, collate_fn=self.data_collator, shuffle=False)
+            was_training = self.model.training
+            self.model.eval()
+            chosen, rejected = [], []
+            for batch in loader:
+                batch = self._prepare_inputs(batch)
+                c, r = self._reference_logps(self._model_inputs(batch), batch)
+                chosen.append(c.float().cpu())
+                rejected.append(r.float().cpu())
+            self.model.train(was_training)
+            stored = {"chosen": torch.cat(chosen), "rejected": torch.cat(rejected)}
+            if self.args.should_save:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(stored, path + ".tmp")
+                os.replace(path + ".tmp", path)  # atomic: a kill mid-write leaves no half file
+            logger.info("reference log-probs of the %s set computed and stored in %s", name, path)
+        dataset = dataset.add_column("ref_chosen_logps", stored["chosen"].tolist())
+        return dataset.add_column("ref_rejected_logps", stored["rejected"].tolist())
+
+    # -- loss and metrics ----------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        model_inputs = self._model_inputs(inputs)
+        outputs = model(**model_inputs)
+        stats = self._statistics(outputs.logits, inputs)
+        chosen, rejected = stats["logps"].chunk(2)
+        chosen_len, rejected_len = stats["lengths"].chunk(2)
+        ref_chosen = ref_rejected = None
+        if self.uses_reference:
+            if "ref_chosen_logps" in inputs:
+                ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+            else:
+                ref_chosen, ref_rejected = self._reference_logps(model_inputs, inputs)
+        pair_weights = None
+        if args.use_weighting:
+            w_chosen, w_rejected = wpo_weights(stats["token_logps"], stats["log_sum_sq_probs"], stats["mask"]).chunk(2)
+            pair_weights = w_chosen * w_rejected
+        loss = combined_loss(args.loss_type, args.loss_weights, chosen, rejected, ref_chosen, ref_rejected,
+                             beta=args.beta, label_smoothing=args.label_smoothing, chosen_lengths=chosen_len,
+                             rejected_lengths=rejected_len, discopop_tau=args.discopop_tau,
+                             f_divergence_type=args.f_divergence_type,
+                             f_alpha_divergence_coef=args.f_alpha_divergence_coef, simpo_gamma=args.simpo_gamma,
+                             pair_weights=pair_weights)
+        self._add_metrics(mode, stats, chosen, rejected, ref_chosen, ref_rejected, inputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def _add_metrics(self, mode, stats, chosen, rejected, ref_chosen, ref_rejected, inputs) -> None:
+        """TRL 1.16's DPO metrics of one batch (dpo_trainer.py:1536-1601), as (sum, count) pairs."""
+        metrics, beta = self.metrics[mode], self.args.beta
+        mask = stats["mask"]
+        chosen_mask, rejected_mask = mask.chunk(2)
+        n_pairs = chosen.shape[0]
+        metrics.add("entropy", (stats["entropy"] * mask).sum(), mask.sum())
+        if mode == "train":
+            tokens = inputs["sequence_lengths"].sum() if "sequence_lengths" in inputs else inputs["attention_mask"].sum()
+            metrics.add("num_tokens", tokens, 0)  # each sequence's real tokens, as in TRL's padded layout
+        chosen_mean_logits, rejected_mean_logits = stats["mean_logits"].chunk(2)
+        metrics.add("logits/chosen", (chosen_mean_logits * chosen_mask).sum(), chosen_mask.sum())
+        metrics.add("logits/rejected", (rejected_mean_logits * rejected_mask).sum(), rejected_mask.sum())
+        chosen_top1, _ = stats["is_top1"].chunk(2)
+        metrics.add("mean_token_accuracy", (chosen_top1 * chosen_mask).sum(), chosen_mask.sum())
+        if ref_chosen is not None:
+            chosen_rewards, rejected_rewards = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
+        else:  # reference-free: the policy's own log-probs (per token for SimPO / ORPO), as TRL's CPO / ORPO log
+            per_token = any(t in REFERENCE_FREE_LOSS_TYPES for t in self.args.loss_type)
+            chosen_len, rejected_len = stats["lengths"].chunk(2)
+            chosen_rewards = beta * (chosen / chosen_len.clamp(min=1) if per_token else chosen)
+            rejected_rewards = beta * (rejected / rejected_len.clamp(min=1) if per_token else rejected)
+        chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+        metrics.add("rewards/chosen", chosen_rewards.sum(), n_pairs)
+        metrics.add("rewards/rejected", rejected_rewards.sum(), n_pairs)
+        metrics.add("rewards/accuracies", (chosen_rewards > rejected_rewards).float().sum(), n_pairs)
+        metrics.add("rewards/margins", (chosen_rewards - rejected_rewards).sum(), n_pairs)
+        metrics.add("logps/chosen", chosen.detach().sum(), n_pairs)
+        metrics.add("logps/rejected", rejected.detach().sum(), n_pairs)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        return loss.detach(), outputs.logits, inputs["input_ids"]  # TRL's: the policy's logits and the input ids

@@ -1,0 +1,91 @@
+"""The rollout's generation engines (`hf_rlhf.generation`): `static` gives `generate`'s tokens, reads live weights."""
+
+import pytest
+import torch
+
+from hf_rlhf.generation import GenerationOutput, build_engine
+from hf_rlhf.ppo import PPOConfig
+from hf_rlhf.toy import build_toy_model, make_tasks
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
+
+
+def _prompts(tokenizer, n=6, seed=3):
+    """(ids, mask) of n left-padded toy prompts of different lengths."""
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer([r["prompt"] for r in make_tasks(n, seed=seed)], return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = side
+    assert len(set(enc["attention_mask"].sum(1).tolist())) > 1  # the rows really are padded differently
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _generate(engine, model, tokenizer, ids, mask, **kw):
+    options = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    options.update(kw)
+    out = engine.generate(model, ids, mask, **options)
+    assert isinstance(out, GenerationOutput) and out.response_ids.shape == (ids.shape[0], options["max_new_tokens"])
+    return out.response_ids
+
+
+def test_static_cache_greedy_and_sampled_tokens_equal_generate(tokenizer, tiny_model):
+    ids, mask = _prompts(tokenizer)
+    reference, static = build_engine("generate"), build_engine("static", compile=False, bucket=16)
+    assert ids.shape[1] % 16  # the static engine really pads the prompts to its bucket
+    assert torch.equal(_generate(static, tiny_model, tokenizer, ids, mask),
+                       _generate(reference, tiny_model, tokenizer, ids, mask))
+    sampled = []
+    for engine in (reference, static):
+        torch.manual_seed(7)
+        sampled.append(_generate(engine, tiny_model, tokenizer, ids, mask, do_sample=True, temperature=1.3, top_k=20,
+                                 top_p=0.9))
+    assert torch.equal(*sampled)  # same logits, same random draws
+    assert static.stats.calls == 2 and static.stats.new_tokens == 2 * ids.shape[0] * 8
+    assert static.stats.compiles == 0  # compile=False: no compile
+
+
+def test_an_optimizer_step_is_seen_by_the_next_generation(tokenizer):
+    model = build_toy_model(tokenizer, "tiny", seed=0).eval()
+    ids, mask = _prompts(tokenizer)
+    static, reference = build_engine("static", compile=False), build_engine("generate")
+    before = _generate(static, model, tokenizer, ids, mask)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -1]
+    logits[:, before[:, 0]].sum().neg().backward()  # push away from the tokens it chose first
+    optimizer.step()
+    static.sync_weights(model)  # the documented hook: a no-op for an in-process engine
+    after = _generate(static, model, tokenizer, ids, mask)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, _generate(reference, model, tokenizer, ids, mask))
+
+
+def test_unknown_backend_and_unsupported_model_are_refused_by_name(tmp_path, tiny_model):
+    with pytest.raises(ValueError, match=r"generation_backend='vllm'; expected one of \['generate', 'static'\]"):
+        PPOConfig(output_dir=str(tmp_path), generation_backend="vllm", report_to="none")
+    assert PPOConfig(output_dir=str(tmp_path), generation_backend="static", report_to="none")
+    tiny_model._can_compile_fullgraph = False  # as transformers marks a model without static-cache support
+    try:
+        with pytest.raises(ValueError, match=r"generation_backend='static' cannot serve .*model_type="):
+            build_engine("static").check_model(tiny_model)
+    finally:
+        del tiny_model._can_compile_fullgraph
+    build_engine("static").check_model(tiny_model)
+
+
+def test_static_cache_on_a_lora_policy_equals_generate(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build_toy_model(tokenizer, "tiny", seed=0),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
+    ids, mask = _prompts(tokenizer)
+    static = build_engine("static", compile=False)
+    static.check_model(model)  # looks through the peft wrapper
+    with_adapter = _generate(static, model, tokenizer, ids, mask)
+    assert torch.equal(with_adapter, _generate(build_engine("generate"), model, tokenizer, ids, mask))
+    with model.disable_adapter():
+        assert not torch.equal(_generate(static, model, tokenizer, ids, mask), with_adapter)  # the adapter is used

@@ -1,0 +1,51 @@
+"""DPO's prefix-shared layout (each pair's prompt computed once) gives every architecture the completion log-probs
+and loss of TRL's padded chosen‖rejected layout within 1e-5, or the trainer refuses it when it is built (and the
+refusal is true)."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from hf_rlhf import DPOConfig, DPOTrainer
+from hf_rlhf.packing_check import PackingCheckError
+from hf_rlhf.toy import preference_dataset
+from zoo_models import MODEL_TYPES, TOKENIZER, build
+
+PAIRS = preference_dataset(6, seed=3, split="train")
+
+
+def make_trainer(tmp_path, model, prefix_sharing, check=True):
+    args = DPOConfig(output_dir=str(tmp_path / "out"), report_to="none", max_length=64, save_strategy="no",
+                     disable_tqdm=True, prefix_sharing=prefix_sharing, packing_check=check)
+    return DPOTrainer(model, args=args, train_dataset=PAIRS, processing_class=TOKENIZER)
+
+
+def logps_and_loss(trainer):
+    """((2B,) summed completion log-probs of the policy, chosen then rejected; the loss) of one batch of every pair."""
+    features = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    inputs = trainer.data_collator(features)
+    trainer.model.eval()
+    with torch.no_grad():
+        stats = trainer._statistics(trainer.model(**trainer._model_inputs(inputs)).logits, inputs)
+        loss = trainer.compute_loss(trainer.model, inputs)
+    return stats["logps"], loss, stats["lengths"]
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_prefix_sharing_equals_padded_or_refuses(tmp_path, record_property, model_type):
+    model = build(model_type, seed=1).eval()
+    padded, padded_loss, padded_lengths = logps_and_loss(make_trainer(tmp_path, model, False))
+    try:
+        trainer = make_trainer(tmp_path, model, True)
+    except PackingCheckError as err:
+        message = str(err)
+        assert model_type in message and "prefix_sharing=True" in message
+        record_property("refusal", message)
+        shared, _, _ = logps_and_loss(make_trainer(tmp_path, model, True, check=False))
+        assert (shared - padded).abs().max() > 1e-4  # the refusal is true: the layout changes the log-probs
+        return
+    shared, shared_loss, shared_lengths = logps_and_loss(trainer)
+    assert torch.equal(shared_lengths, padded_lengths)
+    assert_close(shared, padded, atol=1e-5, rtol=1e-5)
+    assert_close(shared_loss, padded_loss, atol=1e-5, rtol=1e-5)
+    print(f"{model_type}: max |logp diff| {(shared - padded).abs().max().item():.2e}")
