@@ -14,6 +14,7 @@ fail on hf_rlhf grouped by their first error line.  TRL's files are never copied
 import argparse
 import collections
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,7 @@ HELPERS = ["__init__.py", "conftest.py", "testing_utils.py", "testing_constants.
 REWRITES = {
     "from trl import SFTConfig, SFTTrainer": "from hf_rlhf import SFTConfig, SFTTrainer",
     "from trl import RewardConfig, RewardTrainer": "from hf_rlhf import RewardConfig, RewardTrainer",
+    "from trl import DPOConfig, DPOTrainer": "from hf_rlhf import DPOConfig, DPOTrainer",
 }
 
 
@@ -52,15 +54,16 @@ def run_pytest(pkg, module, junit, timeout, extra):
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                CUDA_VISIBLE_DEVICES="", WANDB_DISABLED="true")
     cmd = [sys.executable, "-m", "pytest", str(pkg / module), "-p", "trl_offline_plugin", "-p", "no:cacheprovider",
-           "-q", "-rN", "--tb=line", f"--junitxml={junit}", f"--rootdir={pkg.parent}", *extra]
-    return subprocess.Popen(cmd, cwd=pkg.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           "-v", "-rN", "--tb=line", f"--junitxml={junit}", f"--rootdir={pkg.parent}", *extra]
+    log = open(Path(junit).with_suffix(".log"), "w")  # noqa: SIM115 -- lives as long as the subprocess
+    return subprocess.Popen(cmd, cwd=pkg.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def parse(junit):
     """test name -> ("passed" | "skipped" | "failed", first error line, skip reason)"""
     results = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
-        name = case.get("name")
+        name = case.get("classname").rsplit(".", 1)[-1] + "::" + case.get("name")
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         skip = case.find("skipped")
         if bad is not None:
@@ -80,6 +83,10 @@ def main(argv=None):
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout in seconds")
     parser.add_argument("--cache", default=os.environ.get("TRL_OFFLINE_CACHE", "/tmp/hf_rlhf_trl_offline"))
     parser.add_argument("--modules", nargs="*", default=MODULES)
+    parser.add_argument("--workdir", type=Path, help="keep the copies, junit files and pytest logs here "
+                        "(default: a temporary directory, removed at the end)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the trl and hf_rlhf targets one after the other (default: side by side)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --), e.g. -k train")
     args = parser.parse_args(argv)
     os.environ["TRL_OFFLINE_CACHE"] = args.cache
@@ -90,16 +97,26 @@ def main(argv=None):
     rows, lost = [], collections.defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        if args.workdir:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+            tmp = args.workdir
+        print(f"pytest logs: {tmp}/<target>-<module>.log", flush=True)
         pkgs = {t: prepare(args.trl_tests / "tests", tmp / t, t) for t in ("trl", "hf_rlhf")}
         for module in args.modules:
             junits = {t: tmp / f"{t}-{module}.xml" for t in pkgs}  # both targets side by side
-            procs = [run_pytest(pkg, module, junits[t], args.timeout, args.pytest_args) for t, pkg in pkgs.items()]
+            procs = []
+            for t, pkg in pkgs.items():
+                procs.append(run_pytest(pkg, module, junits[t], args.timeout, args.pytest_args))
+                if args.sequential:
+                    procs[-1].wait()
             for proc in procs:
                 proc.wait()
             res = {t: parse(junit) for t, junit in junits.items()}
             trl, ours = res["trl"], res["hf_rlhf"]
             na = sorted(n for n, r in trl.items() if r[0] == "skipped")
             na_ours = sorted(n for n, r in ours.items() if r[0] == "skipped")
+            reasons = collections.Counter(re.sub(r"\[.*|ForConditionalGeneration.*|, .*", "", trl[n][1]) for n in na)
+            print(f"{module}: n/a by reason: " + "; ".join(f"{c} x {r}" for r, c in reasons.most_common()))
             if na != na_ours:
                 print(f"warning: {module}: skipped sets differ: {sorted(set(na) ^ set(na_ours))}")
             passed = [n for n, r in trl.items() if r[0] == "passed"]
