@@ -1,0 +1,166 @@
+"""What TRL 1.16's own test modules check of the prepared datasets and logs (issue 20), on the toy world.
+
+Measured with `tests/compat/trl_tests/run_trl_tests.py` (TRL's `test_sft_trainer.py` / `test_reward_trainer.py`
+run against hf_rlhf); each case here is one cause of a failure there, fixed:
+- SFT: a `labels` column built from the completion / assistant masks (which it replaces), in packed rows too;
+  pre-tokenized rows truncated to `max_length`, a row left with no trained label dropped;
+- SFT on a Mixture-of-Experts model: the load-balancing loss logged as `aux_loss`;
+- reward: per-row `chat_template_kwargs` passed to the chat template; TRL's legacy `chosen_input_ids` /
+  `rejected_input_ids` columns renamed with its FutureWarning; TRL's wording for a model with `num_labels != 1`.
+And the deliberate differences (README, "TRL drop-in" row), each with its test:
+- `padding_free=True` without packing keeps `max_length` (the rows are cut when prepared); TRL refuses it;
+- `skip_prepare_dataset=True` rows with masks and no `labels` train on the masked tokens only; TRL refuses them.
+"""
+
+import copy
+
+import pytest
+import torch
+from datasets import Dataset
+
+from hf_rlhf import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from hf_rlhf.toy import build_toy_model, build_toy_reward_model, preference_dataset, sft_dataset
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
+
+
+def sft_args(tmp_path, **kw):
+    return SFTConfig(**{"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "max_steps": 2,
+                        "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+                        "max_length": 64, **kw})
+
+
+def reward_args(tmp_path, **kw):
+    return RewardConfig(**{"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "max_steps": 2,
+                           "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+                           **kw})
+
+
+def sft(tmp_path, tokenizer, rows, **kw):
+    return SFTTrainer(build_toy_model(tokenizer, "tiny"), args=sft_args(tmp_path, **kw), train_dataset=rows,
+                      processing_class=tokenizer)
+
+
+# -- SFT: TRL's labels column ---------------------------------------------------------------------------------
+def test_completion_only_labels_replace_the_completion_mask(tmp_path, tokenizer):
+    rows = sft_dataset(8, seed=1)
+    trainer = sft(tmp_path, tokenizer, rows)
+    assert trainer.train_dataset.column_names == ["input_ids", "labels"]
+    for row, example in zip(rows, trainer.train_dataset):
+        n_prompt = len(tokenizer(row["prompt"])["input_ids"])
+        assert example["labels"][:n_prompt] == [-100] * n_prompt
+        assert example["labels"][n_prompt:] == example["input_ids"][n_prompt:]
+    # completion_only_loss=False: the mask is not used, every token is a label
+    whole = sft(tmp_path, tokenizer, rows, completion_only_loss=False).train_dataset
+    assert all(example["labels"] == example["input_ids"] for example in whole)
+
+
+def test_assistant_only_labels(tmp_path, tokenizer):
+    rows = sft_dataset(4, seed=1, format="messages")
+    trainer = sft(tmp_path, tokenizer, rows, assistant_only_loss=True)
+    assert "assistant_masks" not in trainer.train_dataset.column_names
+    for row, example in zip(rows, trainer.train_dataset):
+        answer = tokenizer(row["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+        trained = [label for label in example["labels"] if label != -100]
+        assert trained == answer + [tokenizer.eos_token_id]  # the assistant turn and its eos, nothing else
+    trainer.train()  # the collator takes the labels without the assistant masks
+
+
+def test_pretokenized_masks_become_labels_and_are_truncated(tmp_path, tokenizer):
+    rows = Dataset.from_list([{"input_ids": [11, 12, 13, 14], "assistant_masks": [0, 0, 1, 1]},
+                              {"input_ids": [15, 16, 17], "assistant_masks": [0, 1, 0]}])
+    assert sft(tmp_path, tokenizer, rows).train_dataset[:]["labels"] == [[-100, -100, 13, 14], [-100, 16, -100]]
+    # max_length=2: the first row keeps no trained label and is dropped, as TRL's keep_start truncation does
+    cut = sft(tmp_path, tokenizer, rows, max_length=2).train_dataset
+    assert cut[:] == {"input_ids": [[15, 16]], "labels": [[-100, 16]]}
+
+
+def test_packed_rows_carry_labels(tmp_path, tokenizer):
+    trainer = sft(tmp_path, tokenizer, sft_dataset(16, seed=1), packing=True)
+    assert "labels" in trainer.train_dataset.column_names
+    assert "completion_mask" not in trainer.train_dataset.column_names
+    for example in trainer.train_dataset:
+        assert len(example["labels"]) == len(example["input_ids"])
+        assert -100 in example["labels"] and any(label != -100 for label in example["labels"])
+
+
+def test_moe_model_logs_aux_loss(tmp_path, tokenizer):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, moe_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+    trainer = SFTTrainer(model, args=sft_args(tmp_path), train_dataset=sft_dataset(8, seed=1),
+                         processing_class=tokenizer)
+    assert trainer.aux_loss_enabled
+    trainer.train()
+    logged = [h["aux_loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2 and all(value > 0 for value in logged), trainer.state.log_history
+
+
+# -- reward ----------------------------------------------------------------------------------------------------
+def test_reward_rows_chat_template_kwargs(tmp_path, tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{% if mark %}{{ eos_token }}{% endif %}" + tok.chat_template
+    rows = preference_dataset(4, seed=1, conversational=True)
+    rows = rows.add_column("chat_template_kwargs", [{"mark": bool(i % 2)} for i in range(len(rows))])
+    trainer = RewardTrainer(build_toy_reward_model(tok), args=reward_args(tmp_path), train_dataset=rows,
+                            processing_class=tok)
+    for i, (row, example) in enumerate(zip(rows, trainer.train_dataset)):
+        expected = tok.apply_chat_template(row["prompt"] + row["chosen"], tokenize=True, return_dict=True,
+                                           mark=bool(i % 2))["input_ids"]
+        assert example["chosen_ids"] == list(expected)
+        assert (example["chosen_ids"][0] == tok.eos_token_id) == bool(i % 2)
+
+
+def test_reward_legacy_tokenized_columns(tmp_path, tokenizer):
+    pairs = preference_dataset(8, seed=1)
+    rows = Dataset.from_dict({
+        "chosen_input_ids": [tokenizer(p + c)["input_ids"] for p, c in zip(pairs["prompt"], pairs["chosen"])],
+        "rejected_input_ids": [tokenizer(p + r)["input_ids"] for p, r in zip(pairs["prompt"], pairs["rejected"])]})
+    with pytest.warns(FutureWarning, match="will not be supported in v1"):
+        trainer = RewardTrainer(build_toy_reward_model(tokenizer), args=reward_args(tmp_path), train_dataset=rows,
+                                processing_class=tokenizer)
+    assert trainer.train_dataset.column_names == ["chosen_ids", "rejected_ids"]
+    assert trainer.train_dataset["chosen_ids"] == rows["chosen_input_ids"]
+    trainer.train()
+
+
+def test_reward_model_with_two_labels_refused_in_trl_words(tmp_path, tokenizer):
+    from transformers import AutoModelForSequenceClassification
+
+    config = copy.deepcopy(build_toy_reward_model(tokenizer).config)
+    config.num_labels = 2
+    two = AutoModelForSequenceClassification.from_config(config)
+    with pytest.raises(ValueError, match="reward models require `num_labels=1`"):
+        RewardTrainer(two, args=reward_args(tmp_path), train_dataset=preference_dataset(4, seed=1),
+                      processing_class=tokenizer)
+
+
+# -- deliberate differences ------------------------------------------------------------------------------------
+def test_padding_free_without_packing_keeps_max_length(tmp_path, tokenizer):
+    """TRL refuses `padding_free=True, max_length=...` without packing ("`max_length` is not enforced"), which with
+    its default `max_length=1024` means every plain `padding_free=True`; here the rows are cut when prepared."""
+    rows = sft_dataset(8, seed=1, format="text")
+    trainer = sft(tmp_path, tokenizer, rows, padding_free=True, max_length=6)
+    lengths = [len(example["input_ids"]) for example in trainer.train_dataset]
+    assert max(lengths) == 6 and len(lengths) == 8  # every row was longer and is cut, none dropped
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert batch["input_ids"].shape == (1, 24)
+
+
+def test_skip_prepare_rows_with_masks_train_on_the_masked_tokens(tmp_path, tokenizer):
+    """TRL refuses `skip_prepare_dataset=True` rows with masks and no `labels` ("Add a 'labels' column"): its
+    collator would ignore the masks; hf_rlhf's collator reads them."""
+    rows = Dataset.from_list([{"input_ids": [11, 12, 13, 14], "completion_mask": [0, 0, 1, 1]}] * 4)
+    trainer = sft(tmp_path, tokenizer, rows, dataset_kwargs={"skip_prepare_dataset": True})
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    assert batch["labels"].tolist() == [[-100, -100, 13, 14]] * 2
+    trainer.train()
