@@ -549,8 +549,10 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
     Loss: `loss_type` (a name or a list, see `hf_rlhf.preference_losses`), `loss_weights`, `beta`,
         `label_smoothing`, `ld_alpha`, `f_divergence_type`, `f_alpha_divergence_coef`, `use_weighting` (WPO),
         `discopop_tau`, `simpo_gamma`.
+    MoE: `router_aux_loss_coef` (None: the model config's; 0 turns it off), the load-balancing loss added to the
+        loss and logged as `aux_loss`, as TRL.
     Refused with the reason: `sync_ref_model=True` (TR-DPO's reference sync is not implemented here),
-    `router_aux_loss_coef` (MoE aux loss not added here), `activation_offloading` without CUDA.
+    `activation_offloading` without CUDA.
     """
 
     learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
@@ -558,7 +560,8 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
     bf16: bool | None = field(
         default=None, metadata={"help": "bf16 mixed precision. None: on for CUDA with bf16, off on CPU."}
     )
-    router_aux_loss_coef: float | None = field(default=None, metadata={"help": "MoE router aux loss weight (refused)."})
+    router_aux_loss_coef: float | None = field(
+        default=None, metadata={"help": "MoE load-balancing loss weight (None: the model config's; 0: off)."})
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model and reference."})
     truncation_mode: str = field(
         default="keep_start", metadata={"help": "Sequences over max_length: keep_start or keep_end.",
@@ -631,8 +634,7 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         if self.sync_ref_model:
             raise ValueError("DPOConfig.sync_ref_model=True (TR-DPO) is not implemented: the reference stays frozen. "
                              "Set sync_ref_model=False.")
-        if self.router_aux_loss_coef is not None:
-            raise ValueError("DPOConfig.router_aux_loss_coef: the MoE router auxiliary loss is not added by "
-                             "DPOTrainer; leave it None.")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ValueError(f"DPOConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}.")
         if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:
             raise ValueError(f"DPOConfig.precompute_ref_batch_size must be >= 1, got {self.precompute_ref_batch_size}.")

@@ -9,7 +9,11 @@ run against hf_rlhf); each case here is one cause of a failure there, fixed:
   `rejected_input_ids` columns renamed with its FutureWarning; TRL's wording for a model with `num_labels != 1`.
 And the deliberate differences (README, "TRL drop-in" row), each with its test:
 - `padding_free=True` without packing keeps `max_length` (the rows are cut when prepared); TRL refuses it;
-- `skip_prepare_dataset=True` rows with masks and no `labels` train on the masked tokens only; TRL refuses them.
+- `skip_prepare_dataset=True` rows with masks and no `labels` train on the masked tokens only; TRL refuses them;
+- DPO `evaluate(new_rows)` after training with `precompute_ref_log_probs`: the reference log-probs come from the
+  reference hf_rlhf keeps; TRL (which does not keep it) refuses.
+DPO (TRL's `test_dpo_trainer.py`): raw rows prepared by `evaluate`, `precompute_ref_log_probs` with a stream refused,
+`train_dataset=None` refused, TRL's tags, an MoE policy's load-balancing loss added and logged.
 """
 
 import copy
@@ -18,7 +22,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from hf_rlhf import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from hf_rlhf import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from hf_rlhf.toy import build_toy_model, build_toy_reward_model, preference_dataset, sft_dataset
 
 pytestmark = pytest.mark.integration
@@ -142,6 +146,71 @@ def test_reward_model_with_two_labels_refused_in_trl_words(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="reward models require `num_labels=1`"):
         RewardTrainer(two, args=reward_args(tmp_path), train_dataset=preference_dataset(4, seed=1),
                       processing_class=tokenizer)
+
+
+# -- DPO -------------------------------------------------------------------------------------------------------
+def dpo(tmp_path, tokenizer, model=None, **kw):
+    args = DPOConfig(**{"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "max_steps": 2,
+                        "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+                        "learning_rate": 1e-2, **kw})
+    return DPOTrainer(model if model is not None else build_toy_model(tokenizer, "tiny"), args=args,
+                      train_dataset=preference_dataset(8, seed=1), processing_class=tokenizer)
+
+
+def test_dpo_evaluate_prepares_raw_rows_and_tags(tmp_path, tokenizer):
+    trainer = dpo(tmp_path, tokenizer)
+    assert {"trl", "dpo"} <= set(trainer.model.model_tags)
+    rows = preference_dataset(4, seed=2)
+    metrics = trainer.evaluate(eval_dataset={"a": rows, "b": rows})
+    assert metrics["eval_a_loss"] == pytest.approx(metrics["eval_b_loss"])
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        DPOTrainer(build_toy_model(tokenizer, "tiny"), args=DPOConfig(output_dir=str(tmp_path / "x")),
+                   processing_class=tokenizer)
+
+
+def test_dpo_precompute_ref_log_probs_refuses_a_stream(tmp_path, tokenizer):
+    stream = preference_dataset(8, seed=2).to_iterable_dataset()
+    with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported with IterableDataset"):
+        DPOTrainer(build_toy_model(tokenizer, "tiny"), args=DPOConfig(output_dir=str(tmp_path / "x"),
+                   precompute_ref_log_probs=True), train_dataset=preference_dataset(8, seed=1),
+                   eval_dataset={"s": stream}, processing_class=tokenizer)
+    trainer = dpo(tmp_path, tokenizer, precompute_ref_log_probs=True)
+    with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported with IterableDataset"):
+        trainer.evaluate(eval_dataset=stream)
+
+
+def test_dpo_evaluate_after_training_uses_the_kept_reference(tmp_path, tokenizer):
+    """Deliberate: TRL refuses `evaluate(new_rows)` after training with `precompute_ref_log_probs` and no ref_model
+    (it keeps no reference); hf_rlhf keeps a frozen reference, so the log-probs are the reference's."""
+    trainer = dpo(tmp_path, tokenizer, precompute_ref_log_probs=True)
+    rows = preference_dataset(4, seed=2)
+    before = trainer.prepare_eval_dataset(rows, "before")["ref_chosen_logps"]
+    trainer.train()
+    after = trainer.prepare_eval_dataset(rows, "after")["ref_chosen_logps"]
+    assert after == pytest.approx(before, abs=1e-5)
+    policy = trainer.evaluate(eval_dataset=rows)["eval_logps/chosen"]
+    assert abs(policy - sum(before) / len(before)) > 1e-3  # the policy moved; the reference did not
+
+
+def test_dpo_moe_load_balancing_loss_added_and_logged(tmp_path, tokenizer):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    def moe():
+        torch.manual_seed(0)
+        return MixtralForCausalLM(MixtralConfig(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+            pad_token_id=tokenizer.pad_token_id, router_aux_loss_coef=0.5))
+
+    on, off = dpo(tmp_path, tokenizer, moe()), dpo(tmp_path, tokenizer, moe(), router_aux_loss_coef=0.0)
+    assert on.aux_loss_enabled and not off.aux_loss_enabled
+    batch = on._prepare_inputs(on.data_collator([on.train_dataset[i] for i in range(4)]))
+    with torch.no_grad():
+        loss_on, outputs = on.compute_loss(on.model, batch, return_outputs=True)
+        loss_off = off.compute_loss(off.model, batch)
+    assert loss_on - loss_off == pytest.approx(0.5 * outputs.aux_loss.item(), abs=1e-5)
+    on.train()
+    assert all(h["aux_loss"] > 0 for h in on.state.log_history if "loss" in h)
 
 
 # -- deliberate differences ------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ REWARD_VALUES = {
 DPO_VALUES = {
     "model_init_kwargs": ({"dtype": "bfloat16"}, "ok"),
     "trust_remote_code": (True, "ok"),
-    "router_aux_loss_coef": (0.001, "DPOConfig.router_aux_loss_coef: the MoE router auxiliary loss is not added"),
+    "router_aux_loss_coef": (0.001, "ok"),  # MoE models: added to the loss, as TRL
     "disable_dropout": (False, "ok"),
     "dataset_num_proc": (2, "ok"),
     "max_length": (512, "ok"),
