@@ -171,6 +171,15 @@ class DPOTrainer(BaseTrainer):
                 self.ref_model = prepare_deepspeed(ref_model, self.accelerator)
             else:
                 self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        if args.sync_ref_model:  # TR-DPO, with trl's own callback
+            if self.ref_model is None:
+                raise ValueError("DPOConfig.sync_ref_model=True needs a separate reference model to mix the policy "
+                                 "into; " + ("the loss uses no reference" if not uses_reference else "a peft "
+                                 "policy's reference is its base with the adapters off (as TRL, not supported)") +
+                                 ". Set sync_ref_model=False" + (" or train without peft." if uses_reference else "."))
+            from trl.trainer.callbacks import SyncRefModelCallback
+
+            self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
         if args.precompute_ref_log_probs and uses_reference:
             self.train_dataset = self._with_ref_logps(self.train_dataset, "train", args.per_device_train_batch_size)
             if isinstance(self.eval_dataset, dict):

@@ -13,7 +13,8 @@ And the deliberate differences (README, "TRL drop-in" row), each with its test:
 - DPO `evaluate(new_rows)` after training with `precompute_ref_log_probs`: the reference log-probs come from the
   reference hf_rlhf keeps; TRL (which does not keep it) refuses.
 DPO (TRL's `test_dpo_trainer.py`): raw rows prepared by `evaluate`, `precompute_ref_log_probs` with a stream refused,
-`train_dataset=None` refused, TRL's tags, an MoE policy's load-balancing loss added and logged.
+`train_dataset=None` refused, TRL's tags, an MoE policy's load-balancing loss added and logged, TR-DPO's
+`sync_ref_model`.
 """
 
 import copy
@@ -211,6 +212,20 @@ def test_dpo_moe_load_balancing_loss_added_and_logged(tmp_path, tokenizer):
     assert loss_on - loss_off == pytest.approx(0.5 * outputs.aux_loss.item(), abs=1e-5)
     on.train()
     assert all(h["aux_loss"] > 0 for h in on.state.log_history if "loss" in h)
+
+
+def test_dpo_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, tokenizer):
+    trainer = dpo(tmp_path, tokenizer, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5,
+                  max_steps=2)
+    ref_before = [p.detach().clone() for p in trainer.ref_model.parameters()]
+    trainer.train()  # one sync, after step 2: reference = 0.5 policy + 0.5 reference
+    for before, ref, policy in zip(ref_before, trainer.ref_model.parameters(), trainer.model.parameters()):
+        torch.testing.assert_close(ref.detach(), 0.5 * policy.detach() + 0.5 * before)
+    assert any(not torch.equal(before, ref) for before, ref in zip(ref_before, trainer.ref_model.parameters()))
+    with pytest.raises(ValueError, match="sync_ref_model=True cannot go with precompute_ref_log_probs"):
+        DPOConfig(output_dir=str(tmp_path / "x"), sync_ref_model=True, precompute_ref_log_probs=True)
+    with pytest.raises(ValueError, match="sync_ref_model=True needs a separate reference model"):
+        dpo(tmp_path, tokenizer, sync_ref_model=True, loss_type="simpo")
 
 
 # -- deliberate differences ------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ DPO_VALUES = {
     "use_weighting": (True, "ok"),
     "discopop_tau": (0.1, "ok"),
     "activation_offloading": (True, "ok" if CUDA else "DPOConfig.activation_offloading=True moves activations"),
-    "sync_ref_model": (True, "DPOConfig.sync_ref_model=True"),
+    "sync_ref_model": (True, "ok"),  # TR-DPO: trl's SyncRefModelCallback
     "ref_model_mixup_alpha": (0.5, "ok"),
     "ref_model_sync_steps": (64, "ok"),
     "pad_token": ("<pad>", "ok"),
