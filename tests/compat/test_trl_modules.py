@@ -1,8 +1,9 @@
-"""TRL's own SFT / reward test modules run against trl and against hf_rlhf (issue 20).
+"""TRL's own SFT / reward / DPO test modules run against trl and against hf_rlhf (issue 20).
 
 Runs only when ``HF_RLHF_TRL_TESTS`` names a TRL source tree (with ``tests/`` and ``scripts/``), e.g. one made by
 ``git -C <trl mirror> archive HEAD tests scripts | tar -x -C /tmp/trl-src``; CI has no TRL checkout and skips.
-Passes when every TRL test that passes on trl also passes on hf_rlhf.
+Passes when every TRL test that passes on trl also passes on hf_rlhf, but for the deliberate differences the runner
+lists (``DELIBERATE``, each with its own test in tests/integration/test_trl_preparation.py).
 """
 
 import os
