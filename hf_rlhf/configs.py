@@ -549,8 +549,12 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
     Loss: `loss_type` (a name or a list, see `hf_rlhf.preference_losses`), `loss_weights`, `beta`,
         `label_smoothing`, `ld_alpha`, `f_divergence_type`, `f_alpha_divergence_coef`, `use_weighting` (WPO),
         `discopop_tau`, `simpo_gamma`.
-    Refused with the reason: `sync_ref_model=True` (TR-DPO's reference sync is not implemented here),
-    `router_aux_loss_coef` (MoE aux loss not added here), `activation_offloading` without CUDA.
+    MoE: `router_aux_loss_coef` (None: the model config's; 0 turns it off), the load-balancing loss added to the
+        loss and logged as `aux_loss`, as TRL.
+    TR-DPO: `sync_ref_model` (every `ref_model_sync_steps` steps the reference becomes
+        `alpha·policy + (1 − alpha)·reference`, alpha = `ref_model_mixup_alpha`; trl's `SyncRefModelCallback`); it
+        needs a separate reference model (not a peft policy's adapters-off base) and no `precompute_ref_log_probs`.
+    Refused with the reason: `activation_offloading` without CUDA.
     """
 
     learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
@@ -558,7 +562,8 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
     bf16: bool | None = field(
         default=None, metadata={"help": "bf16 mixed precision. None: on for CUDA with bf16, off on CPU."}
     )
-    router_aux_loss_coef: float | None = field(default=None, metadata={"help": "MoE router aux loss weight (refused)."})
+    router_aux_loss_coef: float | None = field(
+        default=None, metadata={"help": "MoE load-balancing loss weight (None: the model config's; 0: off)."})
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model and reference."})
     truncation_mode: str = field(
         default="keep_start", metadata={"help": "Sequences over max_length: keep_start or keep_end.",
@@ -589,7 +594,7 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
     use_weighting: bool = field(default=False, metadata={"help": "WPO weighting of each pair."})
     discopop_tau: float = field(default=0.05, metadata={"help": "DiscoPOP τ."})
     simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO's target margin γ (loss_type='simpo')."})
-    sync_ref_model: bool = field(default=False, metadata={"help": "TR-DPO reference sync (refused)."})
+    sync_ref_model: bool = field(default=False, metadata={"help": "TR-DPO: mix the policy into the reference."})
     ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TR-DPO mixup α (with sync_ref_model)."})
     ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO sync period (with sync_ref_model)."})
 
@@ -628,11 +633,14 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         if self.prefix_sharing and self.truncation_mode != "keep_start":
             raise ValueError("DPOConfig.prefix_sharing=True keeps one prompt for both completions, so it truncates "
                              "with truncation_mode='keep_start' only.")
-        if self.sync_ref_model:
-            raise ValueError("DPOConfig.sync_ref_model=True (TR-DPO) is not implemented: the reference stays frozen. "
-                             "Set sync_ref_model=False.")
-        if self.router_aux_loss_coef is not None:
-            raise ValueError("DPOConfig.router_aux_loss_coef: the MoE router auxiliary loss is not added by "
-                             "DPOTrainer; leave it None.")
+        if self.sync_ref_model and self.precompute_ref_log_probs:
+            raise ValueError("DPOConfig: sync_ref_model=True cannot go with precompute_ref_log_probs=True (as in TRL): "
+                             "the precomputed reference log-probs would be stale after the first sync.")
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ValueError(f"DPOConfig.ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}.")
+        if self.ref_model_sync_steps < 1:
+            raise ValueError(f"DPOConfig.ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps}.")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ValueError(f"DPOConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}.")
         if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:
             raise ValueError(f"DPOConfig.precompute_ref_batch_size must be >= 1, got {self.precompute_ref_batch_size}.")

@@ -227,6 +227,15 @@ def set_router_aux_loss(model, coef: float | None) -> bool:
     return bool(getattr(config, "output_router_logits", False)) and coef != 0
 
 
+def router_aux_loss_coef(model) -> float:
+    """The load-balancing loss coefficient of a Mixture-of-Experts model (or a `PeftModel` of one); 0.0 for others."""
+    from accelerate.utils import is_peft_model
+
+    base = model.get_base_model() if is_peft_model(model) else model
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
 def apply_lora(model: PreTrainedModel, peft_config, gradient_checkpointing: bool = False):
     """Wrap `model` with LoRA adapters (preparing a 4/8-bit base for k-bit training first).
 

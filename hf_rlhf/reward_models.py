@@ -250,8 +250,9 @@ def find_score_head(model: nn.Module) -> nn.Module | None:
             inner = getattr(head, "modules_to_save", None)  # peft's ModulesToSaveWrapper
             linear = inner[next(iter(inner))] if inner else getattr(head, "original_module", head)
             if getattr(linear, "out_features", 1) != 1:
-                raise ValueError(f"a reward model needs num_labels=1; {type(base).__name__}.{name} has "
-                                 f"{linear.out_features} outputs")
+                raise ValueError(f"{type(base).__name__}.{name} has {linear.out_features} outputs (num_labels="
+                                 f"{linear.out_features}), but reward models require `num_labels=1` (one scalar "
+                                 "reward per sequence): load it with num_labels=1, or pass its path as a string")
             return head
     raise ValueError(
         f"{type(base).__name__} is not a reward model: use AutoModelForSequenceClassification.from_pretrained(..., "

@@ -37,7 +37,8 @@ def masked_labels(
     -100 where `completion_mask` is 0; with `assistant_only_loss`, where `assistant_masks` is 0. A batch in which
     no feature has a `completion_mask` is language-modeling data (no prompt) and is trained on whole, so the
     default `completion_only_loss=True` suits both kinds of data; a batch where only some features have one is
-    an error, as is `assistant_only_loss` without `assistant_masks`.
+    an error, as is `assistant_only_loss` without `assistant_masks` (unless the feature has `labels`, which the
+    trainers' dataset preparation builds from the masks, as TRL's).
 
     Args:
         features: B dicts with `input_ids` (T_i,) and optionally `labels` (T_i,), `completion_mask` (T_i,),
@@ -68,6 +69,8 @@ def masked_labels(
         input_ids = as_list(feature["input_ids"])
         labels = as_list(feature["labels"]) if "labels" in feature else list(input_ids)
         for key in mask_keys:
+            if key not in feature and "labels" in feature and key == "assistant_masks":
+                continue  # labels built from the masks when the dataset was prepared (TRL's `labels` column)
             if key not in feature:
                 raise ValueError(_missing_mask_message(key, row))
             mask = as_list(feature[key])

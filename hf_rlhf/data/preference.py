@@ -27,6 +27,7 @@ from functools import partial
 from numbers import Real
 
 from ..configs import DataOptions, PreferenceDataOptions
+from .chatml import chat_template_row_kwargs
 from .tokenization import (
     check_chat_template,
     check_overlong_policy,
@@ -35,7 +36,7 @@ from .tokenization import (
     special_prefix,
     tokenize_prompt_completion,
 )
-from .streaming import first_rows, is_streamed, tokenize_rows
+from .streaming import first_rows, is_streamed, stream_columns, tokenize_rows
 from .validation import (
     ABSENT,
     MISSING,
@@ -52,6 +53,35 @@ from .validation import (
 PREFERENCE_FORMATS = ("implicit_prompt", "explicit_prompt", "conversational_implicit_prompt",
                       "conversational_explicit_prompt", "tokenized")
 LENGTH_FIELD = "chosen/rejected"
+
+
+LEGACY_PAIR_COLUMNS = {"chosen_input_ids": "chosen_ids", "rejected_input_ids": "rejected_ids"}
+
+
+def rename_legacy_pair_columns(dataset):
+    """TRL's legacy tokenized columns `chosen_input_ids` / `rejected_input_ids` renamed to `chosen_ids` /
+    `rejected_ids`, with TRL 1.16's `FutureWarning`; any other dataset (or None, a list of rows, a dict of datasets)
+    comes back as it is.
+
+    >>> import warnings; from datasets import Dataset
+    >>> with warnings.catch_warnings(): warnings.simplefilter("ignore"); d = rename_legacy_pair_columns(
+    ...     Dataset.from_list([{"chosen_input_ids": [1, 2], "rejected_input_ids": [1, 3]}]))
+    >>> d.column_names
+    ['chosen_ids', 'rejected_ids']
+    """
+    import warnings
+
+    if isinstance(dataset, dict):
+        return {key: rename_legacy_pair_columns(value) for key, value in dataset.items()}
+    if dataset is None or not hasattr(dataset, "rename_columns"):
+        return dataset
+    columns = stream_columns(dataset, first_rows(dataset)[0]) if is_streamed(dataset) else dataset.column_names
+    if not set(LEGACY_PAIR_COLUMNS) <= set(columns) or {"chosen_ids", "rejected_ids"} <= set(columns):
+        return dataset
+    warnings.warn("Detected legacy dataset columns `chosen_input_ids`/`rejected_input_ids`; they are deprecated and "
+                  "will not be supported in v1 (TRL 1.16's deprecation). Please migrate to `chosen_ids`/"
+                  "`rejected_ids`.", FutureWarning, stacklevel=3)
+    return dataset.rename_columns(LEGACY_PAIR_COLUMNS)
 
 
 def detect_preference_format(dataset) -> str:
@@ -207,11 +237,12 @@ class _PairTokenizeSpec:
     checks: dict | None = None  # streamed rows: validated here, just before tokenization
 
 
-def _tokenize_side(spec: _PairTokenizeSpec, prompt, response) -> list[int]:
+def _tokenize_side(spec: _PairTokenizeSpec, prompt, response, template_kwargs: dict) -> list[int]:
     tok = spec.tokenizer
     if spec.fmt.startswith("conversational"):
         messages = list(prompt or []) + list(response)
-        return list(tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+        return list(tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            **template_kwargs)["input_ids"])
     return tokenize_prompt_completion(tok, prompt or "", response, spec.prefix, spec.eos_id)["input_ids"]
 
 
@@ -221,8 +252,9 @@ def _tokenize_pair(row: dict, index: int, spec: _PairTokenizeSpec) -> dict:
     if spec.fmt == "tokenized":
         chosen, rejected = list(row["chosen_ids"]), list(row["rejected_ids"])
     else:
-        prompt = row.get("prompt")
-        chosen, rejected = _tokenize_side(spec, prompt, row["chosen"]), _tokenize_side(spec, prompt, row["rejected"])
+        prompt, template_kwargs = row.get("prompt"), chat_template_row_kwargs(row)  # `tools`, `chat_template_kwargs`
+        chosen = _tokenize_side(spec, prompt, row["chosen"], template_kwargs)
+        rejected = _tokenize_side(spec, prompt, row["rejected"], template_kwargs)
         if chosen == rejected:
             raise DataValidationError(index, "rejected", "a response that tokenizes differently from 'chosen'",
                                       row["rejected"])

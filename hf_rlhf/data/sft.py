@@ -22,6 +22,7 @@ from functools import partial
 from ..configs import DataOptions, SFTDataOptions
 from .chatml import chat_template_row_kwargs
 from .tokenization import (
+    apply_length_policy,
     check_chat_template,
     check_overlong_policy,
     eos_token_id,
@@ -30,7 +31,7 @@ from .tokenization import (
     tokenize_prompt_completion,
     with_eos,
 )
-from .streaming import first_rows, is_streamed, tokenize_rows
+from .streaming import first_rows, is_streamed, stream_length_policy, tokenize_rows
 from .validation import (
     ABSENT,
     DataValidationError,
@@ -302,3 +303,66 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
     tokenized, stats = tokenize_rows(dataset, _tokenize_sft_row, spec, opts, field, "Tokenizing SFT dataset",
                                      head[0] if streamed else None, tokenizer, ("input_ids",))
     return (tokenized, stats) if return_stats else tokenized
+
+
+# ---------------------------------------------------------------------------------------------------
+# Labels (TRL 1.16's preparation step)
+
+TOKEN_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids", "completion_mask", "assistant_masks")
+
+
+def _labels_row(row: dict, mask_columns: tuple[str, ...], max_length: int | None, truncate: bool) -> dict:
+    if "labels" in row:
+        out = {"labels": list(row["labels"])}
+    else:
+        masks = [row[column] for column in mask_columns]
+        out = {"labels": [t if all(bits) else -100 for t, *bits in zip(row["input_ids"], *masks)]}
+    if max_length is not None:  # pre-tokenized rows: the over-long policy, as for the rows tokenized here
+        row = {**row, **out}
+        out["_length"] = len(row["input_ids"])
+        if truncate and out["_length"] > max_length:
+            out.update({k: list(row[k])[:max_length] for k in TOKEN_COLUMNS
+                        if k not in mask_columns and row.get(k) is not None})
+        out["_trainable"] = any(label != -100 for label in out["labels"])
+    return out
+
+
+def build_labels(dataset, completion_only_loss: bool | None = None, max_length: int | None = None,
+                 overlong_policy: str = "truncate", num_proc: int | None = None):
+    """A `labels` column, as TRL 1.16 builds it when it prepares a dataset: `input_ids` with -100 on the tokens not
+    trained on, read from `assistant_masks` (always) and `completion_mask` (unless `completion_only_loss=False`);
+    the masks used are removed. A dataset with `labels` already keeps them.
+
+    With `max_length` (pre-tokenized rows, which `prepare_sft_dataset` has not cut), the over-long policy is applied
+    as to tokenized rows: `truncate` keeps the start of every per-token column and drops a row left without a
+    trained label; `drop` and `error` as their names say.
+
+    Args:
+        dataset: tokenized rows (`input_ids`, optional masks), a `Dataset` or a streamed `IterableDataset`.
+        completion_only_loss: False: `completion_mask` is not used (nor removed).
+        max_length, overlong_policy: see above; None: no length check.
+        num_proc: `Dataset.map` processes (in memory).
+
+    Returns:
+        The dataset with `labels` (lists of ints, one per token).
+
+    >>> from datasets import Dataset
+    >>> build_labels(Dataset.from_list([{"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]}]))[0]
+    {'input_ids': [5, 6, 7], 'labels': [-100, 6, 7]}
+    """
+    streamed = is_streamed(dataset)
+    columns = list(first_rows(dataset)[0]) if streamed and dataset.column_names is None else dataset.column_names
+    mask_columns = () if "labels" in columns else tuple(
+        c for c in ("completion_mask", "assistant_masks")
+        if c in columns and (c == "assistant_masks" or completion_only_loss is not False))
+    if not mask_columns and "labels" in columns and max_length is None:
+        return dataset
+    fn_kwargs = {"mask_columns": mask_columns, "max_length": max_length, "truncate": overlong_policy == "truncate"}
+    if streamed:
+        labeled = dataset.map(_labels_row, fn_kwargs=fn_kwargs, remove_columns=list(mask_columns))
+        return labeled if max_length is None else stream_length_policy(labeled, max_length, overlong_policy,
+                                                                       "input_ids")
+    labeled = dataset.map(_labels_row, fn_kwargs=fn_kwargs, remove_columns=list(mask_columns), num_proc=num_proc,
+                          desc="Building labels")
+    return labeled if max_length is None else apply_length_policy(labeled, max_length, overlong_policy,
+                                                                  "input_ids")[0]

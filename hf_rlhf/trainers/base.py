@@ -134,7 +134,7 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
                         "a dataset with Dataset.with_transform() cannot be prepared: preparation calls Dataset.map(), "
                         "which reads through the transform and would bake a random or stateful transform into the "
                         "tokenized columns. Pass dataset_kwargs={'skip_prepare_dataset': True} and make the transform "
-                        "return tokenized rows, or apply a deterministic transform with Dataset.map() first.")
+                        "return trainer-ready rows (tokenized, as TRL), or apply a deterministic transform with Dataset.map() first.")
                 if {"input_ids", "chosen_ids"} & set(column_names(dataset)):
                     continue
                 check(dataset)

@@ -31,7 +31,8 @@ from ..collators.dpo import PrefixSharedPreferenceCollator
 from ..configs import DPOConfig, ModelConfig
 from ..data import ensure_pad_token, main_process_first_if_cached
 from ..data.dpo import check_dpo_rows, prepare_dpo_dataset
-from ..models import check_trainable, resolve_model
+from ..data.streaming import is_streamed
+from ..models import check_trainable, resolve_model, router_aux_loss_coef, set_router_aux_loss
 from ..packing_check import check_packing_exact
 from ..preference_losses import (
     REFERENCE_FREE_LOSS_TYPES,
@@ -45,6 +46,13 @@ from ..reward_models import disable_dropout, reward_config_of
 from .base import BaseTrainer
 
 logger = logging.getLogger("hf_rlhf")
+
+def check_precompute_not_streamed(args, dataset) -> None:
+    """TRL's check: reference log-probs are stored per row, which a stream (no random access) cannot hold."""
+    if args.precompute_ref_log_probs and is_streamed(dataset):
+        raise ValueError("`precompute_ref_log_probs=True` is not supported with IterableDataset (the reference "
+                         "log-probs are stored per row): use a map-style Dataset or set precompute_ref_log_probs=False.")
+
 
 _NON_MODEL_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps", "row_index", "logit_index",
                    "target_ids", "gather_mask", "sequence_lengths")
@@ -78,6 +86,7 @@ class DPOTrainer(BaseTrainer):
     """
 
     config_class = DPOConfig
+    tag_names = ("hf_rlhf", "trl", "dpo")  # TRL's tags too
     default_output_dir = "dpo-output"
     counts_tokens = True
     feature_columns = ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps")
@@ -88,7 +97,10 @@ class DPOTrainer(BaseTrainer):
                  optimizers=(None, None), quantization_config=None, peft_config=None, *,
                  model_config: ModelConfig | None = None, **kwargs):
         self.check_extra_kwargs(kwargs)
+        self.require_train_dataset(train_dataset)
         args = self.resolve_args(args)
+        for dataset in (train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])):
+            check_precompute_not_streamed(args, dataset)
         init_kwargs = self.model_init_kwargs(model, args, quantization_config)
         checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_dpo_rows(d, args))
         model, model_config = resolve_model(model, model_config, AutoModelForCausalLM, **init_kwargs)
@@ -115,6 +127,13 @@ class DPOTrainer(BaseTrainer):
                              "use attn_implementation='sdpa' or 'eager'.")
         model = self.add_peft(model, model_config, args, peft_config, task_type="CAUSAL_LM")
         check_trainable(model)
+        # TRL's: an MoE policy's load-balancing loss is added to the loss (the model config's coefficient); the
+        # prefix-sharing layout's 4D mask is not one the routers' loss reads, so it is off there (with a warning)
+        if args.prefix_sharing and args.router_aux_loss_coef is None and set_router_aux_loss(model, None):
+            logger.warning("prefix_sharing: the MoE load-balancing loss is not added (router_aux_loss_coef=0)")
+            set_router_aux_loss(model, 0.0)
+        self.aux_loss_enabled = set_router_aux_loss(model, args.router_aux_loss_coef)
+        self.router_aux_loss_coef = router_aux_loss_coef(model) if self.aux_loss_enabled else 0.0
         if args.prefix_sharing and args.packing_check:  # refuse a model on which the layout is not exact
             check_packing_exact(model, "prefix_sharing", args.max_length)
         if args.disable_dropout:
@@ -152,6 +171,15 @@ class DPOTrainer(BaseTrainer):
                 self.ref_model = prepare_deepspeed(ref_model, self.accelerator)
             else:
                 self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        if args.sync_ref_model:  # TR-DPO, with trl's own callback
+            if self.ref_model is None:
+                raise ValueError("DPOConfig.sync_ref_model=True needs a separate reference model to mix the policy "
+                                 "into; " + ("the loss uses no reference" if not uses_reference else "a peft "
+                                 "policy's reference is its base with the adapters off (as TRL, not supported)") +
+                                 ". Set sync_ref_model=False" + (" or train without peft." if uses_reference else "."))
+            from trl.trainer.callbacks import SyncRefModelCallback
+
+            self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
         if args.precompute_ref_log_probs and uses_reference:
             self.train_dataset = self._with_ref_logps(self.train_dataset, "train", args.per_device_train_batch_size)
             if isinstance(self.eval_dataset, dict):
@@ -161,6 +189,16 @@ class DPOTrainer(BaseTrainer):
                 self.eval_dataset = self._with_ref_logps(self.eval_dataset, "eval", args.per_device_eval_batch_size)
 
     # -- data ----------------------------------------------------------------------------------
+    def prepare_eval_dataset(self, dataset, name: str):
+        """A dataset passed to `evaluate`: preference rows checked and tokenized like the eval sets of `__init__`,
+        with their reference log-probs when `precompute_ref_log_probs` (the reference is kept, so they are right
+        after training too)."""
+        check_precompute_not_streamed(self.args, dataset)
+        prepared = self._prepare(dataset, self.processing_class, self.args, name, False)
+        if self.args.precompute_ref_log_probs and self.uses_reference:
+            prepared = self._with_ref_logps(prepared, name, self.args.per_device_eval_batch_size)
+        return prepared
+
     @staticmethod
     def _prepare(dataset, tokenizer, args, name, rows_checked):
         if dataset is None:
@@ -254,6 +292,9 @@ class DPOTrainer(BaseTrainer):
                              f_divergence_type=args.f_divergence_type,
                              f_alpha_divergence_coef=args.f_alpha_divergence_coef, simpo_gamma=args.simpo_gamma,
                              pair_weights=pair_weights)
+        if self.aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss  # TRL's: the MoE load-balancing loss
+            self.metrics[mode].add("aux_loss", outputs.aux_loss.detach().float(), 1)
         self._add_metrics(mode, stats, chosen, rejected, ref_chosen, ref_rejected, inputs)
         return (loss, outputs) if return_outputs else loss
 

@@ -25,6 +25,7 @@ from ..collators import PairwiseCollator
 from ..configs import ModelConfig, RewardConfig
 from ..data import check_preference_rows, ensure_pad_token, main_process_first_if_cached, prepare_preference_dataset
 from ..data.chatml import to_chatml
+from ..data.preference import rename_legacy_pair_columns
 from ..data.streaming import check_streamed_training, is_streamed
 from ..losses import pairwise_metric_sums, pairwise_reward_loss
 from ..models import check_trainable, resolve_model
@@ -95,7 +96,9 @@ class RewardTrainer(BaseTrainer):
                  quantization_config=None, peft_config=None, *, model_config: ModelConfig | None = None, **kwargs):
         self.check_extra_kwargs(kwargs)
         self.require_train_dataset(train_dataset)
-        train_dataset, eval_dataset = to_chatml(train_dataset), to_chatml(eval_dataset)  # ShareGPT rows, as TRL
+        # ShareGPT rows and TRL's legacy tokenized columns, converted as TRL does
+        train_dataset = rename_legacy_pair_columns(to_chatml(train_dataset))
+        eval_dataset = rename_legacy_pair_columns(to_chatml(eval_dataset))
         args = self.resolve_args(args)
         init_kwargs = {"num_labels": 1, **self.model_init_kwargs(model, args, quantization_config)}
         checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_preference_rows(d, args))
@@ -150,7 +153,7 @@ class RewardTrainer(BaseTrainer):
     def prepare_eval_dataset(self, dataset, name: str):
         """A dataset passed to `evaluate`: preference rows checked and tokenized like the eval sets of `__init__`
         (already tokenized pairs are taken as they are)."""
-        return self._prepare(to_chatml(dataset), self.processing_class, self.args, name)
+        return self._prepare(rename_legacy_pair_columns(to_chatml(dataset)), self.processing_class, self.args, name)
 
     @staticmethod
     def _prepare(dataset, tokenizer, args, name, rows_checked: bool = False):

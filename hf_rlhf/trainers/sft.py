@@ -27,6 +27,7 @@ from ..data import (
     resolve_chat_template,
 )
 from ..data.chatml import to_chatml
+from ..data.sft import build_labels
 from ..data.streaming import check_streamed_training, first_rows, is_streamed, stream_columns
 from ..losses import dft_compute_loss_func
 from ..models import check_trainable, resolve_model, set_router_aux_loss
@@ -236,7 +237,8 @@ class SFTTrainer(BaseTrainer):
         packing = args.packing if packing is None else packing
         streamed = is_streamed(dataset)
         columns = stream_columns(dataset, first_rows(dataset)[0]) if streamed else dataset.column_names
-        if "input_ids" in columns:
+        pretokenized = "input_ids" in columns
+        if pretokenized:
             prepared = dataset
         else:
             options = args
@@ -248,6 +250,11 @@ class SFTTrainer(BaseTrainer):
                 prepared = prepare_sft_dataset(dataset, tokenizer, options, rows_checked=rows_checked)
             if not streamed:
                 logger.info("%s dataset: %d rows tokenized", name, len(prepared))
+        # TRL's `labels` column, from the masks (which it replaces); pre-tokenized rows also get the over-long policy
+        # here, as TRL truncates them (packing cuts rows itself)
+        prepared = build_labels(prepared, args.completion_only_loss,
+                                args.max_length if pretokenized and not packing else None, args.overlong_policy,
+                                None if streamed else args.dataset_num_proc)
         if args.shuffle_dataset:  # before packing too, as TRL: which examples share a row is then random
             prepared = prepared.shuffle(seed=args.seed)
         if packing:
@@ -293,6 +300,9 @@ class SFTTrainer(BaseTrainer):
             metrics = self.metrics[mode]
             metrics.add("entropy", entropy, total)
             metrics.add("mean_token_accuracy", correct, total)
+        if self.aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
+            # TRL's `aux_loss`: the MoE load-balancing loss (unweighted), a mean over the steps of the log
+            self.metrics[mode].add("aux_loss", outputs.aux_loss.detach().float(), 1)
         if mode == "train":
             if is_packed_batch(inputs) and "labels" in inputs:
                 real = packed_real_token_count(inputs["input_ids"], inputs["position_ids"], inputs["labels"],

@@ -60,10 +60,11 @@ def test_completion_only_loss_masks_the_prompt(tmp_path, tokenizer, train_rows):
                          train_dataset=train_rows, processing_class=tokenizer)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     for row, labels in zip(range(4), batch["labels"]):
-        mask = trainer.train_dataset[row]["completion_mask"]
-        n_prompt = mask.index(1)
+        prepared = trainer.train_dataset[row]["labels"]  # TRL's labels column, built from the completion mask
+        n_prompt = next(i for i, label in enumerate(prepared) if label != -100)
+        assert n_prompt > 0
         assert (labels[:n_prompt] == -100).all()
-        assert (labels[n_prompt:len(mask)] != -100).all()
+        assert (labels[n_prompt:len(prepared)] != -100).all()
 
 
 @pytest.mark.parametrize("mode", ["packing", "padding_free"])
@@ -182,10 +183,12 @@ def test_conversational_assistant_only_loss_trains(tmp_path, tokenizer):
                          args=make_args(tmp_path, assistant_only_loss=True, max_steps=6, logging_steps=2),
                          train_dataset=rows, processing_class=tokenizer)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    assert "assistant_masks" not in trainer.train_dataset.column_names  # replaced by labels, as TRL
     for row, labels in enumerate(batch["labels"]):
-        mask = torch.tensor(trainer.train_dataset[row]["assistant_masks"])
-        n = len(mask)
-        assert ((labels[:n] != -100) == mask.bool()).all()
+        prepared = torch.tensor(trainer.train_dataset[row]["labels"])
+        n = len(prepared)
+        assert (prepared == -100).any() and (prepared != -100).any()  # user turns masked, assistant turns not
+        assert torch.equal(labels[:n], prepared)
     trainer.train()
     hist = losses(trainer)
     assert hist[-1] < hist[0]
@@ -268,7 +271,7 @@ def test_trl_checks_tags_and_aux_loss_flag(tmp_path, tokenizer, train_rows):
         assert {"trl", "sft", "hf_rlhf"} <= set(trainer.model.model_tags)
         assert trainer.aux_loss_enabled is False
     transformed = sft_dataset(8, seed=0).with_transform(lambda batch: batch)
-    with pytest.raises(ValueError, match="with_transform.*skip_prepare_dataset"):
+    with pytest.raises(ValueError, match=r"with_transform\(\).*skip_prepare_dataset.*trainer-ready"):
         SFTTrainer(build_toy_model(tokenizer, "tiny"), args=make_args(tmp_path), train_dataset=transformed,
                    processing_class=tokenizer)
 

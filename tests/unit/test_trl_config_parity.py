@@ -63,7 +63,7 @@ REWARD_VALUES = {
 DPO_VALUES = {
     "model_init_kwargs": ({"dtype": "bfloat16"}, "ok"),
     "trust_remote_code": (True, "ok"),
-    "router_aux_loss_coef": (0.001, "DPOConfig.router_aux_loss_coef: the MoE router auxiliary loss is not added"),
+    "router_aux_loss_coef": (0.001, "ok"),  # MoE models: added to the loss, as TRL
     "disable_dropout": (False, "ok"),
     "dataset_num_proc": (2, "ok"),
     "max_length": (512, "ok"),
@@ -82,7 +82,7 @@ DPO_VALUES = {
     "use_weighting": (True, "ok"),
     "discopop_tau": (0.1, "ok"),
     "activation_offloading": (True, "ok" if CUDA else "DPOConfig.activation_offloading=True moves activations"),
-    "sync_ref_model": (True, "DPOConfig.sync_ref_model=True"),
+    "sync_ref_model": (True, "ok"),  # TR-DPO: trl's SyncRefModelCallback
     "ref_model_mixup_alpha": (0.5, "ok"),
     "ref_model_sync_steps": (64, "ok"),
     "pad_token": ("<pad>", "ok"),
