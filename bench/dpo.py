@@ -1,4 +1,4 @@
-"""DPO training pairs/s: hf_rlhf `DPOTrainer` (padded, prefix-shared) vs `trl.DPOTrainer`.
+"""DPO training pairs/s: hf_rlhf `DPOTrainer` (padded, padding-free, prefix-shared) vs `trl.DPOTrainer`.
 
 One process per run (no DDP), each configuration in its own subprocess, rounds interleaved (A B C A B C ...) so
 that drifts in the load of this shared machine hit every configuration alike. Every run trains the same seeded toy
@@ -8,6 +8,8 @@ preference pairs (tokenized identically by both libraries: prompt_ids, chosen / 
 same optimizer, batch size, data order and seed. What differs is how a batch is laid out:
 
     padded          hf_rlhf's default: TRL's own `DataCollatorForPreference`, 2B right-padded rows.
+    padding_free    hf_rlhf `padding_free=True` (TRL 1.16 has it switched off): the batch's 2B sequences end to end
+                    in one row, no padding; on sdpa a dense mask the size of the row (pays off with flash attention).
     prefix_sharing  hf_rlhf `prefix_sharing=True`: one row per pair, [prompt | chosen | rejected]; the prompt is
                     computed once instead of twice, for the policy and for the reference.
     trl             `trl.DPOTrainer` with the same settings (bf16 and gradient checkpointing off).
@@ -29,14 +31,14 @@ import time
 
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
-DEFAULT_CONFIGS = ("padded", "prefix_sharing", "trl")
+DEFAULT_CONFIGS = ("padded", "padding_free", "prefix_sharing", "trl")
 EXTRA_CONFIGS = ()
 REFERENCE = "trl"
 PRESETS = {
     "full": dict(pairs=1024, batch_size=32, epochs=1, size="small", max_length=64),
     "quick": dict(pairs=128, batch_size=16, epochs=1, size="tiny", max_length=64),
 }
-HF_LAYOUTS = {"padded": {}, "prefix_sharing": {"prefix_sharing": True}}
+HF_LAYOUTS = {"padded": {}, "padding_free": {"padding_free": True}, "prefix_sharing": {"prefix_sharing": True}}
 
 
 # ----------------------------------------------------------------------------------------------- worker side
