@@ -15,8 +15,11 @@ same optimizer, batch size, data order and seed. What differs is how a batch is 
     trl             `trl.DPOTrainer` with the same settings (bf16 and gradient checkpointing off).
 
 pairs/s = pairs trained on / wall time of `trainer.train()` (model and dataset preparation excluded).
+`--prompts long` puts the same 176-character instruction before every prompt (long-prompt pairs: where prefix
+sharing saves the most), with max_length 256.
 
     python bench/dpo.py --repeats 3             # ~5 min on 2 busy CPU cores
+    python bench/dpo.py --repeats 3 --prompts long --output bench/results/dpo_long.json
     python bench/dpo.py --quick --repeats 1 --output /tmp/smoke.json     # smoke test, < 60 s
 """
 
@@ -38,6 +41,8 @@ PRESETS = {
     "full": dict(pairs=1024, batch_size=32, epochs=1, size="small", max_length=64),
     "quick": dict(pairs=128, batch_size=16, epochs=1, size="tiny", max_length=64),
 }
+LONG_PROMPT = "Answer the question below. Give the result only, with no words around it and no spaces; " * 2
+LONG_MAX_LENGTH = 256
 HF_LAYOUTS = {"padded": {}, "padding_free": {"padding_free": True}, "prefix_sharing": {"prefix_sharing": True}}
 
 
@@ -83,6 +88,8 @@ def worker(name: str, settings: dict, threads: int) -> dict:
     torch.set_num_threads(threads)
     tokenizer = build_toy_tokenizer()
     dataset = preference_dataset(settings["pairs"], seed=0, split="train")
+    if settings.get("prompts") == "long":
+        dataset = dataset.map(lambda row: {"prompt": LONG_PROMPT + row["prompt"]})
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON
         model = os.path.join(tmp, "model")  # both libraries load the policy (and TRL its reference) from a path
         build_toy_model(tokenizer, settings["size"], seed=0).save_pretrained(model)
@@ -114,7 +121,7 @@ def worker(name: str, settings: dict, threads: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------- parent side
 def run_worker(name: str, cli: argparse.Namespace) -> dict:
-    return harness.run_worker(__file__, ["--worker", name, "--threads", str(cli.threads)]
+    return harness.run_worker(__file__, ["--worker", name, "--threads", str(cli.threads), "--prompts", cli.prompts]
                               + (["--quick"] if cli.quick else []))
 
 
@@ -169,9 +176,13 @@ def main(argv: list[str] | None = None) -> None:
                              "each other whenever one is descheduled)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated, from {DEFAULT_CONFIGS + EXTRA_CONFIGS}")
+    parser.add_argument("--prompts", choices=("short", "long"), default="short",
+                        help="short: the toy prompts; long: a 176-character instruction before each (max_length 256)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
-    settings = PRESETS["quick" if cli.quick else "full"]
+    settings = dict(PRESETS["quick" if cli.quick else "full"], prompts=cli.prompts)
+    if cli.prompts == "long":
+        settings["max_length"] = LONG_MAX_LENGTH
 
     if cli.worker:
         print(json.dumps(worker(cli.worker, settings, cli.threads)))
@@ -196,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown_table(summary)
     first = runs[0]
     notes = [
-        f"Same work in every run: {first['pairs']} toy preference pairs ({first['real_tokens']:,} real tokens), "
+        f"Same work in every run: {first['pairs']} toy preference pairs, {cli.prompts} prompts "
+        f"({first['real_tokens']:,} real tokens), "
         f"1 epoch, batch {settings['batch_size']} pairs, {first['steps']} optimizer steps, same data order (the "
         "train losses agree).",
         f"Model: toy `{settings['size']}` LlamaForCausalLM (policy + frozen reference), {first['attn']}, fp32, AdamW "
