@@ -153,7 +153,10 @@ class DataOptions(InputCheckOptions):
             it (a prompt ending in a space: "3+4? " + "7"). `apart` (default): the prompt's own tokens, then the
             completion's, as the model sees them at inference. `joint`: prompt + completion tokenized as one text,
             the completion starting where its tokens diverge from the prompt's own: TRL's, to reproduce TRL's losses
-            exactly. The number of rows it changes is logged once per dataset (`data.tokenize_prompt_completion`).
+            exactly. The number of rows it changes is logged once per dataset (in memory; a stream is not counted
+            ahead). Conversations go through the chat template either way; for SFT's conversational prompt /
+            completion rows whose template renders the prompt differently when a completion follows, `apart` is an
+            error naming the row, `joint` starts the completion where they diverge (TRL's).
     """
 
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preparation."})

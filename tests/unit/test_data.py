@@ -367,6 +367,9 @@ def test_conversational_prompt_not_a_prefix(tokenizer):
     rows = [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}]
     with pytest.raises(DataValidationError, match="row 0, field 'prompt'.*prefix"):
         prepare_sft_dataset(rows, tokenizer, sft_args())
+    # prompt_tokenization="joint": TRL's, the completion starts where "q>>" and "qa" diverge
+    out = prepare_sft_dataset(rows, tokenizer, sft_args(prompt_tokenization="joint"))
+    assert masked_text(tokenizer, out[0]) == "a"
 
 
 def test_input_dataset_unchanged(tokenizer):
