@@ -9,7 +9,9 @@ same optimizer, batch size, data order and seed. What differs is how a batch is 
 
     padded          hf_rlhf's default: TRL's own `DataCollatorForPreference`, 2B right-padded rows.
     padding_free    hf_rlhf `padding_free=True` (TRL 1.16 has it switched off): the batch's 2B sequences end to end
-                    in one row, no padding; on sdpa a dense mask the size of the row (pays off with flash attention).
+                    in one row, no padding; on sdpa a dense mask the size of the row, quadratic in the batch's
+                    tokens (measured here: 1.04x TRL on short prompts, 0.13x on long ones, --quick): it pays off with
+                    flash attention, not on this CPU; leave it out of --prompts long runs.
     prefix_sharing  hf_rlhf `prefix_sharing=True`: one row per pair, [prompt | chosen | rejected]; the prompt is
                     computed once instead of twice, for the policy and for the reference.
     trl             `trl.DPOTrainer` with the same settings (bf16 and gradient checkpointing off).
