@@ -76,8 +76,8 @@ def tokenize_dpo_row(row: dict, tokenizer, prompt_tokenization: str = "apart") -
         chosen = _tokenize(tokenizer, row["prompt"] + row["chosen"])
         rejected = _tokenize(tokenizer, row["prompt"] + row["rejected"])
     n = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
-    merged = n < len(prompt)
-    if merged and prompt_tokenization == "apart" and not is_conversational(row):
+    merged = n < len(prompt) and not is_conversational(row)  # a conversation is tokenized the same either way
+    if merged and prompt_tokenization == "apart":
         def completion(side, full):
             if full[: len(prompt)] == prompt:
                 return full[len(prompt):]
