@@ -1,4 +1,4 @@
-"""DPO training pairs/s: hf_rlhf `DPOTrainer` (padded, prefix-shared) vs `trl.DPOTrainer`.
+"""DPO training pairs/s: hf_rlhf `DPOTrainer` (padded, padding-free, prefix-shared) vs `trl.DPOTrainer`.
 
 One process per run (no DDP), each configuration in its own subprocess, rounds interleaved (A B C A B C ...) so
 that drifts in the load of this shared machine hit every configuration alike. Every run trains the same seeded toy
@@ -8,13 +8,20 @@ preference pairs (tokenized identically by both libraries: prompt_ids, chosen / 
 same optimizer, batch size, data order and seed. What differs is how a batch is laid out:
 
     padded          hf_rlhf's default: TRL's own `DataCollatorForPreference`, 2B right-padded rows.
+    padding_free    hf_rlhf `padding_free=True` (TRL 1.16 has it switched off): the batch's 2B sequences end to end
+                    in one row, no padding; on sdpa a dense mask the size of the row, quadratic in the batch's
+                    tokens (measured here: 1.04x TRL on short prompts, 0.13x on long ones, --quick): it pays off with
+                    flash attention, not on this CPU; leave it out of --prompts long runs.
     prefix_sharing  hf_rlhf `prefix_sharing=True`: one row per pair, [prompt | chosen | rejected]; the prompt is
                     computed once instead of twice, for the policy and for the reference.
     trl             `trl.DPOTrainer` with the same settings (bf16 and gradient checkpointing off).
 
 pairs/s = pairs trained on / wall time of `trainer.train()` (model and dataset preparation excluded).
+`--prompts long` puts the same 176-character instruction before every prompt (long-prompt pairs: where prefix
+sharing saves the most), with max_length 256.
 
     python bench/dpo.py --repeats 3             # ~5 min on 2 busy CPU cores
+    python bench/dpo.py --repeats 3 --prompts long --output bench/results/dpo_long.json
     python bench/dpo.py --quick --repeats 1 --output /tmp/smoke.json     # smoke test, < 60 s
 """
 
@@ -26,14 +33,16 @@ import time
 
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
-DEFAULT_CONFIGS = ("padded", "prefix_sharing", "trl")
+DEFAULT_CONFIGS = ("padded", "padding_free", "prefix_sharing", "trl")
 EXTRA_CONFIGS = ()
 REFERENCE = "trl"
 PRESETS = {
     "full": dict(pairs=1024, batch_size=32, epochs=1, size="small", max_length=64),
     "quick": dict(pairs=128, batch_size=16, epochs=1, size="tiny", max_length=64),
 }
-HF_LAYOUTS = {"padded": {}, "prefix_sharing": {"prefix_sharing": True}}
+LONG_PROMPT = "Answer the question below. Give the result only, with no words around it and no spaces; " * 2
+LONG_MAX_LENGTH = 256
+HF_LAYOUTS = {"padded": {}, "padding_free": {"padding_free": True}, "prefix_sharing": {"prefix_sharing": True}}
 
 
 # ----------------------------------------------------------------------------------------------- worker side
@@ -78,6 +87,8 @@ def worker(name: str, settings: dict, threads: int) -> dict:
     torch.set_num_threads(threads)
     tokenizer = build_toy_tokenizer()
     dataset = preference_dataset(settings["pairs"], seed=0, split="train")
+    if settings.get("prompts") == "long":
+        dataset = dataset.map(lambda row: {"prompt": LONG_PROMPT + row["prompt"]})
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON
         model = os.path.join(tmp, "model")  # both libraries load the policy (and TRL its reference) from a path
         build_toy_model(tokenizer, settings["size"], seed=0).save_pretrained(model)
@@ -110,13 +121,28 @@ def worker(name: str, settings: dict, threads: int) -> dict:
 # ----------------------------------------------------------------------------------------------- parent side
 def model_note(settings: dict, first: dict) -> str:
     return (f"Model: toy `{settings['size']}` LlamaForCausalLM (policy + frozen reference), {first['attn']}, fp32, "
-            f"AdamW lr 1e-3, loss_type sigmoid, {first['threads']} torch thread(s); activation checkpointing off.")
+            f"AdamW lr 1e-3, loss_type sigmoid, {first['threads']} torch thread(s); activation checkpointing off; "
+            f"{settings['prompts']} prompts (max_length {settings['max_length']}).")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--prompts", choices=("short", "long"), default="short",
+                        help="short: the toy prompts; long: a 176-character instruction before each (max_length 256)")
+
+
+def configure(cli, settings: dict) -> dict:
+    settings = dict(settings, prompts=cli.prompts)
+    if cli.prompts == "long":
+        settings["max_length"] = LONG_MAX_LENGTH
+    return settings
 
 
 def main(argv: list[str] | None = None) -> None:
     harness.pair_benchmark_main(argv, script=__file__, description=__doc__.split("\n")[0],
                                 default_configs=DEFAULT_CONFIGS, extra_configs=EXTRA_CONFIGS, presets=PRESETS,
-                                worker=worker, model_note=model_note, reference=REFERENCE, loss_exempt=())
+                                worker=worker, model_note=model_note, reference=REFERENCE, loss_exempt=(),
+                                add_arguments=add_arguments, configure=configure,
+                                worker_args=lambda cli: ["--prompts", cli.prompts])
 
 
 if __name__ == "__main__":

@@ -131,11 +131,13 @@ def pairs_table(summary: dict) -> str:
 
 def pair_benchmark_main(argv: list[str] | None, *, script: str, description: str, default_configs: tuple,
                         extra_configs: tuple, presets: dict, worker, model_note, reference: str = "trl",
-                        loss_exempt: tuple[str, ...] = ()) -> None:
+                        loss_exempt: tuple[str, ...] = (), add_arguments=None, configure=None,
+                        worker_args=None) -> None:
     """The command line of a pair benchmark: `--worker NAME` runs one configuration (`worker(name, settings,
     threads) -> dict`, printed as JSON); otherwise every configuration runs in its own subprocess, rounds
     interleaved, and the medians, paired ratios and notes (`model_note(settings, first_run) -> str`) are printed
-    and written to `--output`."""
+    and written to `--output`. A script's own options: `add_arguments(parser)`, `configure(cli, settings) ->
+    settings`, and `worker_args(cli) -> list[str]` handed on to its workers."""
     import argparse
 
     name = Path(script).stem
@@ -149,8 +151,12 @@ def pair_benchmark_main(argv: list[str] | None, *, script: str, description: str
     parser.add_argument("--configs", default=",".join(default_configs),
                         help=f"comma-separated, from {default_configs + extra_configs}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    if add_arguments:
+        add_arguments(parser)
     cli = parser.parse_args(argv)
     settings = presets["quick" if cli.quick else "full"]
+    if configure:
+        settings = configure(cli, settings)
 
     if cli.worker:
         print(json.dumps(worker(cli.worker, settings, cli.threads)))
@@ -165,6 +171,7 @@ def pair_benchmark_main(argv: list[str] | None, *, script: str, description: str
     for r in range(cli.repeats):
         for config in configs:
             run = {"round": r, **run_worker(script, ["--worker", config, "--threads", str(cli.threads)]
+                                            + (worker_args(cli) if worker_args else [])
                                             + (["--quick"] if cli.quick else []))}
             runs.append(run)
             print(f"round {r + 1}/{cli.repeats} {config:>15}: {run['pairs_per_s']:7.1f} pairs/s ({run['pairs']} "

@@ -118,6 +118,7 @@ class ModelConfig(trl.ModelConfig):
 # `prepare_preference_dataset`). The trainer configs inherit them, so a config is itself a data options object.
 
 OVERLONG_CHOICES = ["truncate", "drop", "error"]
+PROMPT_TOKENIZATION_CHOICES = ["apart", "joint"]  # as `hf_rlhf.data.tokenization.PROMPT_TOKENIZATIONS`
 
 
 @dataclass
@@ -148,6 +149,14 @@ class DataOptions(InputCheckOptions):
         chat_template_path: a tokenizer directory or a Jinja file whose template replaces the tokenizer's one.
         eos_token: the token appended to plain text; None: the tokenizer's eos token.
         pad_token: the padding token; None: the tokenizer's (read by the trainers, `ensure_pad_token`).
+        prompt_tokenization: the prompt / completion boundary of plain-text prompt data where tokens merge across
+            it (a prompt ending in a space: "3+4? " + "7"). `apart` (default): the prompt's own tokens, then the
+            completion's, as the model sees them at inference. `joint`: prompt + completion tokenized as one text,
+            the completion starting where its tokens diverge from the prompt's own: TRL's, to reproduce TRL's losses
+            exactly. The number of rows it changes is logged once per dataset (in memory; a stream is not counted
+            ahead). Conversations go through the chat template either way; for SFT's conversational prompt /
+            completion rows whose template renders the prompt differently when a completion follows, `apart` is an
+            error naming the row, `joint` starts the completion where they diverge (TRL's).
     """
 
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preparation."})
@@ -160,6 +169,11 @@ class DataOptions(InputCheckOptions):
     chat_template_path: str | None = field(default=None, metadata={"help": "Tokenizer dir or Jinja file."})
     eos_token: str | None = field(default=None, metadata={"help": "End-of-sequence token. None: the tokenizer's."})
     pad_token: str | None = field(default=None, metadata={"help": "Padding token. None: the tokenizer's."})
+    prompt_tokenization: str = field(
+        default="apart",
+        metadata={"help": "Where tokens merge across the prompt/completion boundary: apart (as at inference) or "
+                          "joint (TRL's tokenization, its losses exactly).", "choices": PROMPT_TOKENIZATION_CHOICES},
+    )
 
     def __post_init__(self):
         name = type(self).__name__
@@ -171,6 +185,9 @@ class DataOptions(InputCheckOptions):
             raise ValueError(f"{name}.max_unk_share must be in [0, 1], got {self.max_unk_share}.")
         if self.overlong_policy not in OVERLONG_CHOICES:
             raise ValueError(f"{name}.overlong_policy={self.overlong_policy!r}; expected one of {OVERLONG_CHOICES}.")
+        if self.prompt_tokenization not in PROMPT_TOKENIZATION_CHOICES:
+            raise ValueError(f"{name}.prompt_tokenization={self.prompt_tokenization!r}; expected one of "
+                             f"{PROMPT_TOKENIZATION_CHOICES}.")
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:  # mixed into a TrainingArguments: its own __post_init__ runs next
             parent()
@@ -351,7 +368,8 @@ class SFTConfig(SFTDataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDef
             start, TRL's `keep_start`), `drop`, or `error`. The number affected is logged.
         chat_template_path: a tokenizer directory or a Jinja file whose template replaces the
             tokenizer's one.
-        dataset_num_proc, eos_token, pad_token: see `DataOptions`.
+        dataset_num_proc, eos_token, pad_token, prompt_tokenization: see `DataOptions` (`prompt_tokenization=
+            'joint'` tokenizes prompt + completion as TRL does, where tokens merge across the boundary).
     Packing:
         packing: pack the dataset into rows of `max_length` (best-fit decreasing, `trl.pack_dataset`);
             examples never attend to each other (restarted `position_ids`, no attention mask).
@@ -450,7 +468,9 @@ class RewardConfig(PreferenceDataOptions, TrainerModelOptions, NonFiniteOptions,
             pairs), `truncate` (keep the start of both; a pair whose truncated sides are identical is dropped, as
             the cut removed every token where they differ), or `error`. The number affected is logged.
         use_margin: use the dataset's `margin` column in the loss. None: when the column is there.
-        dataset_num_proc, eos_token, pad_token, chat_template_path: see `DataOptions`.
+        dataset_num_proc, eos_token, pad_token, chat_template_path, prompt_tokenization: see `DataOptions`
+            (`prompt_tokenization='joint'` tokenizes prompt + chosen / rejected as TRL does, where tokens merge
+            across the boundary).
     Batches:
         padding_side: `right` or `left` padding of padded batches (rewards are read at each sequence's last real
             token either way).
@@ -539,10 +559,13 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
     default, plus SimPO's `simpo_gamma`.
 
     Data: `max_length` (prompt + completion, per sequence), `truncation_mode` (`keep_start`, `keep_end`),
-        `dataset_num_proc`, `pad_to_multiple_of`, `pad_token`, `chat_template_path`; `padding_free=True` is refused
-        (not implemented). Batches are TRL's padded chosen‖rejected rows, or with `prefix_sharing` one row per pair
-        [prompt | chosen | rejected] whose prompt is computed once (`collators.dpo`; same log-probs; sdpa or eager
-        attention; `packing_check` refuses a model on which it is not exact).
+        `dataset_num_proc`, `pad_to_multiple_of`, `pad_token`, `chat_template_path`, `prompt_tokenization` (see
+        `DataOptions`: `joint` is TRL's tokenization where tokens merge across an explicit prompt's end). Batches are
+        TRL's padded chosen‖rejected rows; with `padding_free` (which TRL 1.16 has switched off) the 2B sequences end
+        to end in one row with restarted `position_ids`, no padding (`keep_start` truncation; pays off with flash
+        attention); with `prefix_sharing` one row per pair [prompt | chosen | rejected] whose prompt is computed once
+        (sdpa or eager attention). Both give the padded layout's log-probs (`collators.dpo`); `packing_check`
+        refuses a model on which the layout is not exact (OPT).
     Reference: `precompute_ref_log_probs` (computed once before training, stored with the dataset and in
         `output_dir/ref_logps/`, reused on resume), `precompute_ref_batch_size`. Reference-free losses (`simpo`, `orpo`,
         `sft` alone) use no reference model.
@@ -568,12 +591,14 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
     truncation_mode: str = field(
         default="keep_start", metadata={"help": "Sequences over max_length: keep_start or keep_end.",
                                         "choices": ["keep_start", "keep_end"]})
-    padding_free: bool = field(default=False, metadata={"help": "Padding-free batches (refused: not implemented)."})
+    padding_free: bool = field(
+        default=False, metadata={"help": "The batch's 2B sequences end to end in one row, no padding (keep_start)."})
     prefix_sharing: bool = field(
         default=False, metadata={"help": "One row per pair [prompt | chosen | rejected], the prompt computed once "
                                          "(sdpa/eager; keep_start truncation)."})
     packing_check: bool = field(
-        default=True, metadata={"help": "Check that prefix_sharing is exact on the model before training (a few ms)."})
+        default=True, metadata={"help": "Check that padding_free / prefix_sharing is exact on the model before "
+                                        "training (a few ms)."})
     pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": PAD_TO_MULTIPLE_OF_HELP})
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "Compute the reference log-probs once before training and store them."})
@@ -627,9 +652,11 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         if "exo_pair" in self.loss_type and self.label_smoothing == 0:
             raise ValueError("DPOConfig: loss_type 'exo_pair' takes log(label_smoothing); set label_smoothing > 0 "
                              "(the EXO paper uses 1e-3).")
-        if self.padding_free:
-            raise ValueError("DPOConfig.padding_free=True: DPOTrainer builds padded chosen‖rejected batches (TRL's "
-                             "default layout); padding-free DPO batches are not implemented. Set padding_free=False.")
+        if self.padding_free and self.prefix_sharing:
+            raise ValueError("DPOConfig: padding_free and prefix_sharing are different layouts; choose one.")
+        if self.padding_free and self.truncation_mode != "keep_start":
+            raise ValueError("DPOConfig.padding_free=True truncates with truncation_mode='keep_start' only (the "
+                             "default); keep_end is TRL's padded layout.")
         if self.prefix_sharing and self.truncation_mode != "keep_start":
             raise ValueError("DPOConfig.prefix_sharing=True keeps one prompt for both completions, so it truncates "
                              "with truncation_mode='keep_start' only.")

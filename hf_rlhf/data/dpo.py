@@ -3,7 +3,11 @@
 
 - implicit prompt: the prompt is extracted as the longest common prefix of the two sides (`trl.extract_prompt`);
 - plain text: eos appended to each completion when missing; prompt and prompt+completion tokenized on their own,
-  the completion starting where the two token lists diverge (a boundary that merges tokens moves into the prompt);
+  the completion starting after the prompt's tokens. Where tokens merge across the boundary (a prompt ending in a
+  space) `prompt_tokenization` decides: `apart` (default) keeps the prompt's own tokens (the inference context) and
+  tokenizes that completion on its own; `joint` (TRL's) cuts the prompt to where the token lists diverge. The number
+  of rows this changes is logged once per dataset. An implicit prompt (extracted where the two texts differ, often
+  mid-word) is no boundary a user gave: those rows are tokenized as whole texts, `joint`, either way;
 - conversations: the chat template, the prompt rendered with the generation prompt; a row's `tools` (JSON or list)
   and `chat_template_kwargs` are passed to it;
 - already tokenized rows (`prompt_ids`, `chosen_ids`, `rejected_ids`) are used as they are.
@@ -22,7 +26,13 @@ from trl.data_utils import extract_prompt, is_conversational
 
 from ..configs import DataOptions
 from .preference import check_preference_rows
-from .tokenization import check_chat_template, resolve_chat_template
+from .tokenization import (
+    BOUNDARY_COLUMN,
+    check_chat_template,
+    common_prefix_length,
+    log_boundary_rows,
+    resolve_chat_template,
+)
 from .validation import DataValidationError, Verbatim, as_dataset, column_names
 
 DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -39,24 +49,21 @@ def check_dpo_rows(dataset, options: DataOptions) -> str:
     return check_preference_rows(dataset, options)
 
 
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _tokenize(tokenizer, value, **template_kwargs) -> list[int]:
     if isinstance(value, list):  # messages
         return list(tokenizer.apply_chat_template(value, tokenize=True, return_dict=True, **template_kwargs)["input_ids"])
     return list(tokenizer(text=value)["input_ids"])
 
 
-def tokenize_dpo_row(row: dict, tokenizer) -> dict:
-    """One row with an explicit prompt as TRL tokenizes it: {"prompt_ids", "chosen_ids", "rejected_ids"} where
-    chosen / rejected hold the completion tokens only (dpo_trainer.py:1075-1126)."""
+def tokenize_dpo_row(row: dict, tokenizer, prompt_tokenization: str = "apart") -> dict:
+    """One row with an explicit prompt: {"prompt_ids", "chosen_ids", "rejected_ids", "_boundary"} where chosen /
+    rejected hold the completion tokens only and `_boundary` tells whether the setting changed the row.
+
+    `joint` is TRL's (dpo_trainer.py:1075-1126): prompt and prompt + completion tokenized on their own, the prompt
+    cut to where either side's tokens diverge from it. `apart` (default) differs only where tokens merge across the
+    boundary of plain text (a prompt ending in a space): the prompt keeps its own tokens, as at inference, and that
+    side's completion is tokenized on its own. Conversations are rendered by the chat template either way (TRL's).
+    """
     tools = row.get("tools")
     tools = json.loads(tools) if isinstance(tools, str) else tools
     kwargs = {"tools": tools, **(row.get("chat_template_kwargs") or {})}
@@ -68,17 +75,28 @@ def tokenize_dpo_row(row: dict, tokenizer) -> dict:
         prompt = _tokenize(tokenizer, row["prompt"])
         chosen = _tokenize(tokenizer, row["prompt"] + row["chosen"])
         rejected = _tokenize(tokenizer, row["prompt"] + row["rejected"])
-    n = min(_common_prefix_length(prompt, chosen), _common_prefix_length(prompt, rejected))
-    return {"prompt_ids": prompt[:n], "chosen_ids": chosen[n:], "rejected_ids": rejected[n:]}
+    n = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
+    merged = n < len(prompt) and not is_conversational(row)  # a conversation is tokenized the same either way
+    if merged and prompt_tokenization == "apart":
+        def completion(side, full):
+            if full[: len(prompt)] == prompt:
+                return full[len(prompt):]
+            return list(tokenizer(text=row[side], add_special_tokens=False)["input_ids"])
+
+        return {"prompt_ids": prompt, "chosen_ids": completion("chosen", chosen),
+                "rejected_ids": completion("rejected", rejected), BOUNDARY_COLUMN: True}
+    return {"prompt_ids": prompt[:n], "chosen_ids": chosen[n:], "rejected_ids": rejected[n:], BOUNDARY_COLUMN: merged}
 
 
 def prepare_dpo_dataset(dataset, tokenizer, options, rows_checked: bool = False) -> Dataset:
-    """Validate and tokenize DPO data (a `Dataset` or a list of dicts) as TRL does.
+    """Validate and tokenize DPO data (a `Dataset` or a list of dicts) as TRL does (`prompt_tokenization='joint'`;
+    the default `apart` differs where tokens merge across an explicit prompt's end, see the module docstring).
 
     Args:
         dataset: rows in a TRL preference format, or tokenized (`prompt_ids`, `chosen_ids`, `rejected_ids`).
         tokenizer: the tokenizer (`options.chat_template_path` replaces its chat template).
-        options: a `DPOConfig` (`max_length`, `truncation_mode`, `overlong_policy`, `dataset_num_proc`, `eos_token`).
+        options: a `DPOConfig` (`max_length`, `truncation_mode`, `overlong_policy`, `dataset_num_proc`, `eos_token`,
+            `prompt_tokenization`).
         rows_checked: `check_dpo_rows` already passed.
 
     Returns:
@@ -89,7 +107,10 @@ def prepare_dpo_dataset(dataset, tokenizer, options, rows_checked: bool = False)
         return dataset
     if not rows_checked:
         check_dpo_rows(dataset, options)
-    if "prompt" not in dataset.column_names:
+    implicit = "prompt" not in dataset.column_names
+    # an extracted prompt ends where the texts differ, no boundary a user gave: tokenized as whole texts
+    mode = "joint" if implicit else getattr(options, "prompt_tokenization", "apart")
+    if implicit:
         dataset = dataset.map(extract_prompt, num_proc=options.dataset_num_proc, desc="Extracting prompts")
     if is_conversational(dataset[0]):
         resolve_chat_template(tokenizer, options.chat_template_path)
@@ -104,8 +125,12 @@ def prepare_dpo_dataset(dataset, tokenizer, options, rows_checked: bool = False)
             return {side: row[side] if row[side].endswith(eos) else row[side] + eos for side in ("chosen", "rejected")}
 
         dataset = dataset.map(add_eos, num_proc=options.dataset_num_proc, desc="Adding eos")
-    dataset = dataset.map(tokenize_dpo_row, fn_kwargs={"tokenizer": tokenizer}, num_proc=options.dataset_num_proc,
-                          desc="Tokenizing DPO pairs")
+    dataset = dataset.map(tokenize_dpo_row, fn_kwargs={"tokenizer": tokenizer, "prompt_tokenization": mode},
+                          num_proc=options.dataset_num_proc, desc="Tokenizing DPO pairs")
+    if not implicit:
+        log_boundary_rows(sum(dataset[BOUNDARY_COLUMN]), len(dataset), mode,
+                          f"{type(options).__name__}.prompt_tokenization")
+    dataset = dataset.remove_columns([BOUNDARY_COLUMN])
     max_length, policy = options.max_length, getattr(options, "overlong_policy", "truncate")
     if max_length is None:
         return dataset

@@ -29,6 +29,7 @@ from numbers import Real
 from ..configs import DataOptions, PreferenceDataOptions
 from .chatml import chat_template_row_kwargs
 from .tokenization import (
+    BOUNDARY_COLUMN,
     check_chat_template,
     check_overlong_policy,
     eos_token_id,
@@ -235,30 +236,36 @@ class _PairTokenizeSpec:
     truncate: bool
     use_margin: bool
     checks: dict | None = None  # streamed rows: validated here, just before tokenization
+    prompt_tokenization: str = "apart"  # or "joint" (TRL's): `tokenize_prompt_completion`
 
 
-def _tokenize_side(spec: _PairTokenizeSpec, prompt, response, template_kwargs: dict) -> list[int]:
+def _tokenize_side(spec: _PairTokenizeSpec, prompt, response, template_kwargs: dict) -> tuple[list[int], bool]:
+    """(ids, whether tokens merged across the prompt / response boundary)."""
     tok = spec.tokenizer
     if spec.fmt.startswith("conversational"):
         messages = list(prompt or []) + list(response)
         return list(tok.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            **template_kwargs)["input_ids"])
-    return tokenize_prompt_completion(tok, prompt or "", response, spec.prefix, spec.eos_id)["input_ids"]
+                                            **template_kwargs)["input_ids"]), False
+    out = tokenize_prompt_completion(tok, prompt or "", response, spec.prefix, spec.eos_id, spec.prompt_tokenization)
+    return out["input_ids"], out[BOUNDARY_COLUMN]
 
 
 def _tokenize_pair(row: dict, index: int, spec: _PairTokenizeSpec) -> dict:
     if spec.checks is not None:
         check_preference_row(index, row, spec.fmt, spec.checks)
+    merged = False
     if spec.fmt == "tokenized":
         chosen, rejected = list(row["chosen_ids"]), list(row["rejected_ids"])
     else:
         prompt, template_kwargs = row.get("prompt"), chat_template_row_kwargs(row)  # `tools`, `chat_template_kwargs`
-        chosen = _tokenize_side(spec, prompt, row["chosen"], template_kwargs)
-        rejected = _tokenize_side(spec, prompt, row["rejected"], template_kwargs)
+        (chosen, merged_chosen), (rejected, merged_rejected) = (_tokenize_side(spec, prompt, row[side], template_kwargs)
+                                                                for side in ("chosen", "rejected"))
+        merged = merged_chosen or merged_rejected
         if chosen == rejected:
             raise DataValidationError(index, "rejected", "a response that tokenizes differently from 'chosen'",
                                       row["rejected"])
-    out = {"chosen_ids": chosen, "rejected_ids": rejected, "_length": max(len(chosen), len(rejected))}
+    out = {"chosen_ids": chosen, "rejected_ids": rejected, "_length": max(len(chosen), len(rejected)),
+           BOUNDARY_COLUMN: merged}
     if spec.truncate and spec.max_length is not None and out["_length"] > spec.max_length:
         out["chosen_ids"], out["rejected_ids"] = chosen[: spec.max_length], rejected[: spec.max_length]
     # a pair the cut made identical cannot be learned from (apply_length_policy drops it)
@@ -334,8 +341,8 @@ def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_
 
     # step 3. tokenize (and truncate), then apply the overlong policy
     spec = _PairTokenizeSpec(fmt, tokenizer, prefix, eos_id, opts.max_length, opts.overlong_policy == "truncate",
-                             use_margin, _field_checks(fmt, use_margin) if streamed else None)
+                             use_margin, _field_checks(fmt, use_margin) if streamed else None, opts.prompt_tokenization)
     tokenized, stats = tokenize_rows(dataset, _tokenize_pair, spec, opts, LENGTH_FIELD,
                                      "Tokenizing preference pairs", head[0] if streamed else None,
-                                     tokenizer if fmt != "tokenized" else None, ("chosen_ids", "rejected_ids"))
+                                     tokenizer if fmt != "tokenized" else None, ("chosen_ids", "rejected_ids"), owner)
     return (tokenized, stats) if return_stats else tokenized

@@ -23,7 +23,9 @@ from ..configs import DataOptions, SFTDataOptions
 from .chatml import chat_template_row_kwargs
 from .tokenization import (
     apply_length_policy,
+    BOUNDARY_COLUMN,
     check_chat_template,
+    common_prefix_length,
     check_overlong_policy,
     eos_token_id,
     resolve_chat_template,
@@ -172,6 +174,7 @@ class _SFTTokenizeSpec:
     loss_masks: tuple[str, ...]  # masks that must keep a 1 after truncation
     checks: dict | None = None   # streamed rows: validated here, just before tokenization
     chat_template: str | None = None  # TRL's training template for assistant_only_loss, else the tokenizer's
+    prompt_tokenization: str = "apart"  # or "joint" (TRL's): `tokenize_prompt_completion`
 
 
 def _tokenize_chat(tokenizer, messages, assistant_only_loss: bool, index: int, field: str,
@@ -204,7 +207,8 @@ def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
         ids = tok(row[spec.text_field], add_special_tokens=False)["input_ids"]
         out = {"input_ids": with_eos(spec.prefix + ids, spec.eos_id)}
     elif spec.fmt == "prompt_completion":
-        out = tokenize_prompt_completion(tok, row["prompt"], row["completion"], spec.prefix, spec.eos_id)
+        out = tokenize_prompt_completion(tok, row["prompt"], row["completion"], spec.prefix, spec.eos_id,
+                                         spec.prompt_tokenization)
     elif spec.fmt == "conversational":
         out = _tokenize_chat(tok, row["messages"], spec.assistant_only_loss, index, "messages",
                              _template_kwargs(row, spec))
@@ -215,14 +219,19 @@ def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
             **template_kwargs)["input_ids"]
         out = _tokenize_chat(tok, list(row["prompt"]) + list(row["completion"]), spec.assistant_only_loss,
                              index, "completion", template_kwargs)
-        if out["input_ids"][: len(prompt_ids)] != list(prompt_ids):
+        n_prompt = len(prompt_ids)
+        out[BOUNDARY_COLUMN] = out["input_ids"][:n_prompt] != list(prompt_ids)
+        if out[BOUNDARY_COLUMN] and spec.prompt_tokenization == "joint":  # TRL's: from where they diverge
+            n_prompt = common_prefix_length(list(prompt_ids), out["input_ids"])
+        elif out[BOUNDARY_COLUMN]:
             raise DataValidationError(
                 index, "prompt", "the chat template to render the prompt (with add_generation_prompt=True) as a "
-                "prefix of prompt+completion",
+                "prefix of prompt+completion (or prompt_tokenization='joint': TRL's, the completion starting where "
+                "they diverge)",
                 Verbatim("a different start; the template changes past turns when a completion follows"))
-        n_prompt = len(prompt_ids)
         out["completion_mask"] = [0] * n_prompt + [1] * (len(out["input_ids"]) - n_prompt)
 
+    out.setdefault(BOUNDARY_COLUMN, False)
     # Record the untruncated length for the overlong policy; truncation keeps the start (TRL's keep_start).
     out["_length"] = len(out["input_ids"])
     if spec.truncate and spec.max_length is not None and out["_length"] > spec.max_length:
@@ -297,11 +306,11 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
         ("assistant_masks",) if opts.assistant_only_loss else ())
     spec = _SFTTokenizeSpec(fmt, tokenizer, opts.dataset_text_field, prefix, eos_id, opts.assistant_only_loss,
                             opts.max_length, opts.overlong_policy == "truncate", loss_masks,
-                            checks if streamed else None, chat_template)
+                            checks if streamed else None, chat_template, opts.prompt_tokenization)
     field = {"text": opts.dataset_text_field, "prompt_completion": "prompt+completion",
              "conversational": "messages", "conversational_prompt_completion": "prompt+completion"}[fmt]
     tokenized, stats = tokenize_rows(dataset, _tokenize_sft_row, spec, opts, field, "Tokenizing SFT dataset",
-                                     head[0] if streamed else None, tokenizer, ("input_ids",))
+                                     head[0] if streamed else None, tokenizer, ("input_ids",), owner)
     return (tokenized, stats) if return_stats else tokenized
 
 

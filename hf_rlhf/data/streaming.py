@@ -13,7 +13,13 @@ import itertools
 
 from datasets import IterableDataset
 
-from .tokenization import LENGTH_COLUMNS, apply_length_policy, check_unknown_tokens
+from .tokenization import (
+    BOUNDARY_COLUMN,
+    LENGTH_COLUMNS,
+    apply_length_policy,
+    check_unknown_tokens,
+    log_boundary_rows,
+)
 from .validation import as_dataset
 from .validation import DataValidationError, Verbatim
 
@@ -81,8 +87,10 @@ def check_streamed_training(args, train_dataset) -> None:
 
 
 def tokenize_rows(dataset, row_fn, spec, options, field: str, desc: str, first_row: dict | None = None,
-                  tokenizer=None, id_columns: tuple[str, ...] = ()):
-    """Map `row_fn(row, index, spec)` over `dataset`, then count unknown tokens and apply the over-long policy.
+                  tokenizer=None, id_columns: tuple[str, ...] = (), owner: str = "DataOptions"):
+    """Map `row_fn(row, index, spec)` over `dataset` (it writes `_length`, `_trainable` and `_boundary`), then count
+    unknown tokens and the rows whose tokens merged across the prompt / completion boundary (logged once:
+    `log_boundary_rows`), and apply the over-long policy.
 
     The one tokenization tail of SFT and preference data, in memory or streamed.
 
@@ -93,6 +101,7 @@ def tokenize_rows(dataset, row_fn, spec, options, field: str, desc: str, first_r
         field: the field named in errors and logs.
         desc: the progress bar's text (in memory).
         tokenizer, id_columns: where to count unknown tokens (in memory; none without a tokenizer).
+        owner: the config class named in the boundary log (e.g. "SFTConfig").
 
     Returns:
         (tokenized, stats): stats is None for a stream.
@@ -100,10 +109,14 @@ def tokenize_rows(dataset, row_fn, spec, options, field: str, desc: str, first_r
     if first_row is not None:  # IterableDataset.map takes no num_proc / desc
         tokenized = dataset.map(row_fn, with_indices=True, fn_kwargs={"spec": spec},
                                 remove_columns=stream_columns(dataset, first_row))
+        tokenized = tokenized.remove_columns([BOUNDARY_COLUMN])  # a stream is not counted ahead
         return stream_length_policy(tokenized, options.max_length, options.overlong_policy, field), None
     data = as_dataset(dataset)
     tokenized = data.map(row_fn, with_indices=True, fn_kwargs={"spec": spec}, remove_columns=data.column_names,
                          num_proc=options.dataset_num_proc, desc=desc)
+    log_boundary_rows(sum(tokenized[BOUNDARY_COLUMN]), len(tokenized), options.prompt_tokenization,
+                      f"{owner}.prompt_tokenization")
+    tokenized = tokenized.remove_columns([BOUNDARY_COLUMN])
     if tokenizer is not None:
         check_unknown_tokens(tokenized, id_columns, tokenizer, options.max_unk_share, options.strict, field)
     return apply_length_policy(tokenized, options.max_length, options.overlong_policy, field)

@@ -239,29 +239,95 @@ def with_eos(ids: list[int], eos_id: int) -> list[int]:
     return ids if ids and ids[-1] == eos_id else ids + [eos_id]
 
 
-def tokenize_prompt_completion(tokenizer, prompt: str, completion: str, prefix: list[int], eos_id: int) -> dict:
+PROMPT_TOKENIZATIONS = ("apart", "joint")
+BOUNDARY_COLUMN = "_boundary"  # written per row by a format's tokenizer: prompt and completion merged across it
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading ids `a` and `b` share.
+
+    Args:
+        a, b: token ids, (Ta,) and (Tb,).
+
+    Returns:
+        n <= min(Ta, Tb) with a[:n] == b[:n].
+    """
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def check_prompt_tokenization(mode: str, option: str = "prompt_tokenization") -> None:
+    """Raise a ValueError unless `mode` is one of `PROMPT_TOKENIZATIONS`."""
+    if mode not in PROMPT_TOKENIZATIONS:
+        raise ValueError(f"{option}={mode!r}; expected one of {PROMPT_TOKENIZATIONS}")
+
+
+def tokenize_prompt_completion(tokenizer, prompt: str, completion: str, prefix: list[int], eos_id: int,
+                               prompt_tokenization: str = "apart") -> dict:
     """Tokenize `prefix + prompt + completion + eos`, marking the completion's tokens.
 
-    The prompt and completion are tokenized jointly when the prompt's ids are a prefix of the joint ids;
-    otherwise (a merge across the boundary, e.g. "a" + "b" -> "ab") apart and concatenated, which is also
-    what the model sees when it generates after the prompt.
+    The two settings differ only where tokens merge across the boundary, i.e. the prompt's own ids are not a
+    prefix of the ids of prompt + completion (a prompt ending in a space: "3+4? " + "7" gives "?", " 7", not
+    "?", " ", "7"):
+    - `apart` (default): the prompt's own ids, then the completion tokenized on its own: the context the model
+      sees when it generates after the prompt at inference;
+    - `joint` (TRL's): prompt + completion tokenized as one text, the completion starting where those ids diverge
+      from the prompt's own (the prompt's last tokens are then not what inference sees).
+    Elsewhere both are the ids of prompt + completion tokenized as one text.
 
     Args:
         tokenizer: the tokenizer.
         prompt, completion: the texts.
         prefix: leading special ids (`special_prefix(tokenizer)`).
         eos_id: appended unless the completion already ends with it.
+        prompt_tokenization: `apart` or `joint` (`PROMPT_TOKENIZATIONS`).
 
     Returns:
-        {"input_ids": (T,), "completion_mask": (T,)} as lists; the mask is 1 on completion tokens and eos.
+        {"input_ids": (T,), "completion_mask": (T,), "_boundary": bool}: ids and mask as lists, the mask 1 on
+        completion tokens and eos; `_boundary` tells whether tokens merged across the boundary (the settings differ).
     """
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     full_ids = tokenizer(prompt + completion, add_special_tokens=False)["input_ids"]
-    if full_ids[: len(prompt_ids)] != prompt_ids:
+    merged = full_ids[: len(prompt_ids)] != prompt_ids
+    n_prompt = len(prompt_ids)
+    if merged and prompt_tokenization == "joint":
+        n_prompt = common_prefix_length(prompt_ids, full_ids)
+    elif merged:
         full_ids = prompt_ids + tokenizer(completion, add_special_tokens=False)["input_ids"]
     input_ids = with_eos(prefix + full_ids, eos_id)
-    n_prompt = len(prefix) + len(prompt_ids)
-    return {"input_ids": input_ids, "completion_mask": [0] * n_prompt + [1] * (len(input_ids) - n_prompt)}
+    n_prompt += len(prefix)
+    return {"input_ids": input_ids, "completion_mask": [0] * n_prompt + [1] * (len(input_ids) - n_prompt),
+            BOUNDARY_COLUMN: merged}
+
+
+def log_boundary_rows(n_merged: int, n_rows: int, prompt_tokenization: str, option: str) -> None:
+    """Say once per dataset how many rows the `prompt_tokenization` setting changes (tokens merged across the
+    prompt / completion boundary), and what each setting does with them.
+
+    Args:
+        n_merged: rows whose prompt ids are not a prefix of their prompt + completion ids.
+        n_rows: rows tokenized.
+        prompt_tokenization: the setting used.
+        option: the option's qualified name, e.g. "SFTConfig.prompt_tokenization".
+    """
+    if not n_merged:
+        return
+    if prompt_tokenization == "joint":
+        logger.warning(
+            "%d of %d rows: tokens merge across the prompt / completion boundary (e.g. a prompt ending in a space); "
+            "%s='joint' tokenizes them jointly as TRL does, so the model is trained on a prompt whose last tokens "
+            "differ from the ones it sees at inference. 'apart' (the default) keeps the inference context.",
+            n_merged, n_rows, option)
+    else:
+        logger.warning(
+            "%d of %d rows: tokens merge across the prompt / completion boundary (e.g. a prompt ending in a space); "
+            "the prompt is tokenized apart from its completion, as the model sees it at inference. TRL tokenizes "
+            "them jointly, so its losses differ on these rows; %s='joint' reproduces TRL's.",
+            n_merged, n_rows, option)
 
 
 def check_overlong_policy(policy: str) -> None:

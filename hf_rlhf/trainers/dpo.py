@@ -2,7 +2,8 @@
 
 What it adds to `Trainer` (through `BaseTrainer`): trl 1.16's `DPOTrainer` signature and `DPOConfig` fields; TRL's
 preference formats checked row by row before any model loads and tokenized as TRL does (`hf_rlhf.data.dpo`); TRL's
-padded chosen‖rejected batches (`trl`'s own `DataCollatorForPreference`); and
+padded chosen‖rejected batches (`trl`'s own `DataCollatorForPreference`), or padding-free / prefix-shared ones
+(`collators.dpo`); and
 
 - `compute_loss`: one policy forward over the 2B sequences, summed completion log-probs (`preference_losses.
   completion_logps`), the reference's (below), then `preference_losses.combined_loss` (every TRL `loss_type`,
@@ -27,7 +28,7 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from ..adapters import adapter_scope
-from ..collators.dpo import PrefixSharedPreferenceCollator
+from ..collators.dpo import PaddingFreePreferenceCollator, PrefixSharedPreferenceCollator
 from ..configs import DPOConfig, ModelConfig
 from ..data import ensure_pad_token, main_process_first_if_cached
 from ..data.dpo import check_dpo_rows, prepare_dpo_dataset
@@ -134,8 +135,9 @@ class DPOTrainer(BaseTrainer):
             set_router_aux_loss(model, 0.0)
         self.aux_loss_enabled = set_router_aux_loss(model, args.router_aux_loss_coef)
         self.router_aux_loss_coef = router_aux_loss_coef(model) if self.aux_loss_enabled else 0.0
-        if args.prefix_sharing and args.packing_check:  # refuse a model on which the layout is not exact
-            check_packing_exact(model, "prefix_sharing", args.max_length)
+        layout = "padding_free" if args.padding_free else "prefix_sharing" if args.prefix_sharing else None
+        if layout and args.packing_check:  # refuse a model on which the layout is not exact
+            check_packing_exact(model, layout, args.max_length)
         if args.disable_dropout:
             disable_dropout(model)
         if ref_model is not None:
@@ -149,7 +151,11 @@ class DPOTrainer(BaseTrainer):
             eval_dataset = {k: prepare(v, f"eval_{k}") for k, v in eval_dataset.items()}
         else:
             eval_dataset = prepare(eval_dataset, "eval")
-        if data_collator is None and args.prefix_sharing:
+        if data_collator is None and args.padding_free:
+            data_collator = PaddingFreePreferenceCollator(
+                processing_class.pad_token_id, args.max_length, args.pad_to_multiple_of,
+                return_flash_attention_kwargs=str(attn).startswith("flash_attention"))
+        elif data_collator is None and args.prefix_sharing:
             data_collator = PrefixSharedPreferenceCollator(processing_class.pad_token_id, args.max_length,
                                                            args.pad_to_multiple_of)
         elif data_collator is None:
@@ -221,7 +227,7 @@ class DPOTrainer(BaseTrainer):
 
     def _statistics(self, logits: torch.Tensor, inputs: dict) -> dict:
         """Per-sequence completion log-probs (chosen rows, then rejected) and token statistics of either layout."""
-        if "logit_index" in inputs:  # prefix sharing
+        if "logit_index" in inputs:  # prefix sharing, padding-free
             return gathered_completion_logps(logits, inputs["row_index"], inputs["logit_index"],
                                              inputs["target_ids"], inputs["gather_mask"], self.args.ld_alpha)
         return completion_logps(logits, inputs["input_ids"], inputs["completion_mask"], self.args.ld_alpha)

@@ -7,6 +7,13 @@ steps and one evaluation. Asserted: the training and evaluation losses agree to 
 logged metric names (train and eval logs) are the same.
 
 Known differences, by design (values only; the names agree):
+- the prompt / completion boundary (SFT, reward, DPO): where tokens merge across it (a prompt ending in a space,
+  "37+45= " + "82" with a tokenizer that has " 8"), TRL tokenizes prompt + completion jointly, so the prompt's last
+  token in training is not the one the model sees at inference; hf_rlhf keeps the prompt's own tokens
+  (`prompt_tokenization="apart"`, the default), so its losses differ on such rows (0.005-0.05 here), and
+  `prompt_tokenization="joint"` gives TRL's losses exactly (`test_prompt_ending_in_a_space` shows both). The number
+  of rows affected is logged once per dataset. Implicit-prompt DPO pairs (the prompt extracted where the texts
+  differ) are tokenized as whole texts, as TRL does.
 - eval `entropy` / `mean_token_accuracy` (SFT) and `accuracy` / `margin` / `min_reward` / `max_reward` (reward)
   over more than one eval batch: TRL averages per-batch means and per-batch extremes; hf_rlhf logs the exact
   token / pair mean and the true min / max over the whole evaluation (and over ranks).
@@ -242,11 +249,12 @@ def test_sft_bf16_checkpoint_trains_every_parameter_in_fp32(tmp_path, tokenizer)
 # DPO: every loss type TRL 1.16 takes, the reference a frozen copy of the policy (TRL's for a model path)
 
 
-def dpo_script(lib, model_path, tokenizer, train, evaluation, output_dir, peft_config=None, **config):
+def dpo_script(lib, model_path, tokenizer, train, evaluation, output_dir, peft_config=None, compute_metrics=None,
+               **config):
     seed_everything()
     args = lib.DPOConfig(**{**config_kwargs(output_dir), "max_length": 64, **config})
     trainer = lib.DPOTrainer(model=model_path, args=args, train_dataset=train, eval_dataset=evaluation,
-                             processing_class=tokenizer, peft_config=peft_config)
+                             processing_class=tokenizer, peft_config=peft_config, compute_metrics=compute_metrics)
     trainer.train()
     return trainer.state.log_history
 
@@ -280,6 +288,30 @@ def test_dpo_lora(tmp_path, tokenizer, model_dirs):
     print(f"DPO LoRA: max |loss diff| {gap:.2e}")
 
 
+def test_dpo_compute_metrics(tmp_path, tokenizer, model_dirs):
+    """`compute_metrics` with TRL's signature (an `EvalPrediction`) gets what TRL's gives it: the policy's logits
+    (2B, T, V) of each eval batch, chosen rows then rejected, and the input ids as labels; what it returns is
+    logged as `eval_<name>` by both."""
+    seen = {}
+
+    def metrics_of(lib):
+        def compute_metrics(eval_pred):
+            seen[lib.__name__] = (np.asarray(eval_pred.predictions), np.asarray(eval_pred.label_ids))
+            return {"mean_logit": float(np.asarray(eval_pred.predictions).mean())}
+        return compute_metrics
+
+    histories = {lib: dpo_script(lib, model_dirs["lm"], tokenizer, preference_dataset(16, seed=1),
+                                 preference_dataset(8, seed=2), output_dir=str(tmp_path / lib.__name__),
+                                 compute_metrics=metrics_of(lib)) for lib in LIBRARIES}
+    compare(histories, relative=True)
+    (theirs, their_labels), (ours, our_labels) = seen["trl"], seen["hf_rlhf"]
+    assert theirs.shape == ours.shape and theirs.shape[0] == 16 and theirs.shape[2] == len(tokenizer)
+    np.testing.assert_array_equal(our_labels, their_labels)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    evals = [split_logs(histories[lib])[1][0]["eval_mean_logit"] for lib in LIBRARIES]
+    assert evals[0] == pytest.approx(evals[1], abs=1e-6)
+
+
 @pytest.mark.parametrize("prompt", ["explicit", "implicit"])
 def test_dpo_conversational(tmp_path, tokenizer, model_dirs, prompt):
     """Conversational pairs through the chat template, with the prompt as a column or inside both sides (TRL
@@ -293,3 +325,69 @@ def test_dpo_conversational(tmp_path, tokenizer, model_dirs, prompt):
 
     gap = run_both(dpo_script, tmp_path, model_dirs["lm"], tokenizer, rows(16, 1), rows(8, 2), relative=True)
     print(f"DPO conversational {prompt} prompt: max |loss diff| {gap:.2e}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The prompt / completion boundary: prompts ending in a space, with a tokenizer that merges " 7" into one token
+
+
+def space_merging_tokenizer(base):
+    """The toy tokenizer plus one token per digit with a leading space (" 7"), as GPT-2-style BPEs have: "37+45= "
+    ends in a " " token, while "37+45= 82" has " 8" where the prompt's " " was (tokens merge across the boundary)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(base.backend_tokenizer.to_str())
+    vocab = dict(base.get_vocab())
+    for digit in "0123456789":
+        vocab[" " + digit] = len(vocab)
+    backend.model = models.BPE(vocab=vocab, merges=[(" ", d) for d in "0123456789"], unk_token=base.unk_token)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r" ?[\s\S]"), behavior="isolated")  # a character, its space
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=base.bos_token, eos_token=base.eos_token,
+                                   pad_token=base.pad_token, unk_token=base.unk_token, padding_side="right",
+                                   additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+                                   model_max_length=256, chat_template=base.chat_template)
+
+
+@pytest.fixture(scope="module")
+def spaced(tmp_path_factory, tokenizer):
+    """The space-merging tokenizer, and a tiny causal LM and reward model saved with it."""
+    merging = space_merging_tokenizer(tokenizer)
+    assert merging("1= ")["input_ids"][-1] != merging("1= 2")["input_ids"][-2]  # " " + "2" -> " 2"
+    root = tmp_path_factory.mktemp("spaced")
+    paths = {"lm": str(root / "lm"), "rm": str(root / "rm")}
+    for key, build in (("lm", build_toy_model), ("rm", build_toy_reward_model)):
+        build(merging).save_pretrained(paths[key])
+        merging.save_pretrained(paths[key])
+    return merging, paths
+
+
+def _spaced_prompts(data: Dataset) -> Dataset:
+    return data.map(lambda row: {"prompt": row["prompt"] + " "})
+
+
+@pytest.mark.parametrize("trainer", ["sft", "reward", "dpo"])
+def test_prompt_ending_in_a_space(tmp_path, spaced, trainer, caplog):
+    """Prompts ending in a space ("37+45= " + "82"): TRL tokenizes prompt + completion jointly (" 8" replaces the
+    prompt's last token " "); hf_rlhf by default keeps the prompt's own tokens, as the model sees them at inference,
+    so its losses differ; `prompt_tokenization="joint"` gives TRL's losses exactly. The rows affected are logged."""
+    merging, paths = spaced
+    script, model, make = {
+        "sft": (sft_script, paths["lm"], lambda n, seed: sft_dataset(n, seed=seed)),
+        "reward": (reward_script, paths["rm"], lambda n, seed: preference_dataset(n, seed=seed)),
+        "dpo": (dpo_script, paths["lm"], lambda n, seed: preference_dataset(n, seed=seed)),
+    }[trainer]
+    train, evaluation = _spaced_prompts(make(16, 1)), _spaced_prompts(make(8, 2))
+    histories = {trl: script(trl, model, merging, train, evaluation, output_dir=str(tmp_path / "trl"))}
+    with caplog.at_level("WARNING", logger="hf_rlhf"):
+        ours = {mode: script(hf_rlhf, model, merging, train, evaluation, output_dir=str(tmp_path / mode),
+                             prompt_tokenization=mode) for mode in ("apart", "joint")}
+    gap = compare({trl: histories[trl], hf_rlhf: ours["joint"]}, relative=True)
+    theirs, apart = split_logs(histories[trl])[0], split_logs(ours["apart"])[0]
+    default = max(abs(a["loss"] - b["loss"]) for a, b in zip(theirs, apart))
+    print(f"{trainer}, prompts ending in a space: max |loss diff| vs TRL: joint {gap:.2e}, "
+          f"apart (default) {default:.3f}")
+    assert default > 1e-3
+    config = {"sft": "SFTConfig", "reward": "RewardConfig", "dpo": "DPOConfig"}[trainer]
+    logged = [r.getMessage() for r in caplog.records if f"{config}.prompt_tokenization" in r.getMessage()]
+    assert any("of 16 rows: tokens merge across the prompt / completion boundary" in m for m in logged), logged

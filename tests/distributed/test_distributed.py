@@ -31,7 +31,7 @@ WORKER = Path(__file__).resolve().parent / "worker.py"
 CONFIGS = ROOT / "recipes" / "accelerate"
 STEPS, GLOBAL_BATCH, TOLERANCE = 4, 8, 1e-4
 ENGINES = ("ddp", "deepspeed_zero2", "deepspeed_zero3")
-TASKS = ("sft", "sft_lora", "reward", "ppo", "grpo", "rloo", "reinforce_pp")
+TASKS = ("sft", "sft_lora", "reward", "dpo", "ppo", "grpo", "rloo", "reinforce_pp")
 PPO_TASKS = ("ppo", "grpo", "rloo", "reinforce_pp")  # PPOTrainer with each advantage estimator (worker.ESTIMATORS)
 
 
@@ -157,10 +157,10 @@ def reloaded_outputs(task: str, out: Path) -> torch.Tensor:
 
     tokenizer = _tokenizer()
     ids, mask = _inputs(tokenizer)
-    if task in ("sft", *PPO_TASKS):
+    if task in ("sft", "dpo", *PPO_TASKS):
         model = AutoModelForCausalLM.from_pretrained(out).eval()
         logits = model(input_ids=ids, attention_mask=mask).logits
-        if task not in ("sft", "ppo"):  # critic-free: no value function saved
+        if task not in ("sft", "dpo", "ppo"):  # critic-free: no value function saved
             assert not (out / "value").exists()
         if task == "ppo":  # the value head beside it, a (1, hidden) linear
             head = load_file(out / "value" / "value_head.safetensors")

@@ -1,6 +1,6 @@
 """One tiny training run for the distributed tests, launched by `torchrun` / `accelerate launch` (or plain python).
 
-    python tests/distributed/worker.py --task {sft,sft_lora,reward,ppo,grpo,rloo,reinforce_pp} --out DIR [--steps 4]
+    python tests/distributed/worker.py --task {sft,sft_lora,reward,dpo,ppo,grpo,rloo,reinforce_pp} --out DIR [--steps 4]
         [--global_batch 8]
     python tests/distributed/worker.py --recipe ppo --out DIR <recipe options>   # records who writes what
 
@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-TASKS = ("sft", "sft_lora", "reward", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic")
+TASKS = ("sft", "sft_lora", "reward", "dpo", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic")
 # PPOTrainer's critic-free estimators, each with the options whose statistics cross ranks: GRPO's k3 in the loss with
 # the per-sequence loss_type, RLOO's batch-whitened advantages, REINFORCE++'s globally whitened returns
 ESTIMATORS = {
@@ -100,7 +100,8 @@ def common_args(out: str, steps: int, per_device: int) -> dict:
 
 
 def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path: str | None = None):
-    from hf_rlhf import ModelConfig, PPOConfig, PPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+    from hf_rlhf import (DPOConfig, DPOTrainer, ModelConfig, PPOConfig, PPOTrainer, RewardConfig, RewardTrainer,
+                         SFTConfig, SFTTrainer)
     from hf_rlhf.callbacks import PlotCallback, SampleCompletionsCallback
     from hf_rlhf.toy import (build_toy_model, build_toy_reward_model, build_toy_tokenizer, preference_dataset,
                              prompt_dataset, sft_dataset)
@@ -122,6 +123,11 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
         args = RewardConfig(**common, learning_rate=1e-2, max_length=64)
         return RewardTrainer(model, args=args, processing_class=tokenizer, model_config=lora,
                              train_dataset=preference_dataset(256, seed=1, split="train"))
+    if task == "dpo":  # full policy, the reference a frozen copy (DeepSpeed-prepared for inference under ZeRO)
+        model = build_toy_model(tokenizer, "tiny", seed=0)
+        args = DPOConfig(**common, learning_rate=3e-3, max_length=64, loss_type="sigmoid", beta=0.5)
+        return DPOTrainer(model, args=args, processing_class=tokenizer,
+                          train_dataset=preference_dataset(256, seed=1, split="train"))
     # PPO: full policy (a frozen reference copy) with a value head; one rollout = one optimizer step, so the micro-
     # batch order inside a rollout (seeded per rank) changes only the order of a sum; adaptive KL with a short
     # horizon so that β moves at every rollout. From a path (`policy_path`) the policy loads after its config, i.e.

@@ -12,14 +12,15 @@ pytestmark = pytest.mark.integration
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "dpo.py"
 
 
-@pytest.mark.slow  # three worker subprocesses: ~26 s on an idle 2-core box, more when it is busy
+@pytest.mark.slow  # four worker subprocesses: ~35 s on an idle 2-core box, more when it is busy
 def test_dpo_bench_quick(tmp_path):
     output = tmp_path / "dpo.json"
     done = subprocess.run([sys.executable, str(BENCH), "--quick", "--repeats", "1", "--output", str(output)],
                           capture_output=True, text=True, timeout=300, cwd=BENCH.parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(output.read_text())
-    assert set(results["summary"]) == {"padded", "prefix_sharing", "trl"}
+    assert set(results["summary"]) == {"padded", "padding_free", "prefix_sharing", "trl"}
     runs = {run["config"]: run for run in results["runs"]}
     assert len({(run["real_tokens"], run["pairs"]) for run in runs.values()}) == 1  # the same work
     assert runs["prefix_sharing"]["positions_per_pair"] < runs["padded"]["positions_per_pair"]  # prompt computed once
+    assert runs["padding_free"]["positions_per_pair"] < runs["padded"]["positions_per_pair"]  # no padding

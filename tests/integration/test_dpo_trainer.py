@@ -1,6 +1,7 @@
 """DPOTrainer on the tiny toy model: bad rows fail before any model loads, the three kinds of reference (frozen copy,
 adapters off, a given model) and none for reference-free losses, precomputed reference log-probs stored and reused on
-resume, exact resume, and the recipe's documented command."""
+resume, the padding-free and prefix-shared layouts training as the padded one, exact resume, and the recipe's
+documented command."""
 
 import json
 import os
@@ -78,6 +79,30 @@ def test_precomputed_reference_is_stored_and_reused(tmp_path, tokenizer):
     torch.save({k: v + 1.0 for k, v in data.items()}, path)
     second = make()
     assert second.train_dataset["ref_chosen_logps"] == pytest.approx([x + 1.0 for x in ref])
+
+
+def test_layouts_train_as_padded(tmp_path, tokenizer):
+    """padding_free (TRL 1.16 has it switched off) and prefix_sharing train as TRL's padded layout: the same losses,
+    metrics and num_tokens over 3 steps and an evaluation (logs within 1e-5), with precomputed reference log-probs
+    too; both refuse keep_end truncation and each other."""
+    pairs, held_out = preference_dataset(16, seed=1), preference_dataset(8, seed=2)
+    logs = {}
+    for layout in ("padded", "padding_free", "prefix_sharing"):
+        extra = {} if layout == "padded" else {layout: True}
+        config = args(tmp_path / layout, eval_strategy="steps", eval_steps=3, precompute_ref_log_probs=True, **extra)
+        trainer = DPOTrainer(build_toy_model(tokenizer, "tiny", seed=0), None, config, None, pairs, held_out, tokenizer)
+        trainer.train()
+        logs[layout] = [{k: v for k, v in h.items() if not any(t in k for t in ("runtime", "per_second", "flos"))}
+                        for h in trainer.state.log_history]  # flos count the positions computed: they differ
+    for layout in ("padding_free", "prefix_sharing"):
+        assert len(logs[layout]) == len(logs["padded"]) == 5
+        for ours, padded in zip(logs[layout], logs["padded"]):
+            assert ours.keys() == padded.keys()
+            for key, value in padded.items():
+                assert ours[key] == pytest.approx(value, abs=1e-5), (layout, key)
+    for bad in ({"padding_free": True, "truncation_mode": "keep_end"}, {"padding_free": True, "prefix_sharing": True}):
+        with pytest.raises(ValueError, match="padding_free"):
+            args(tmp_path, **bad)
 
 
 def test_resume_is_exact(tmp_path, tokenizer):

@@ -289,6 +289,51 @@ def test_prompt_completion_merged_across_boundary():
     assert masked_text(tok, joint) == "c</s>"
 
 
+def test_prompt_tokenization_joint_is_trls_and_rows_affected_are_logged(caplog):
+    # "xa" + "by": "ab" merges across the boundary. apart (default): the prompt's own tokens x, a (as at inference);
+    # joint (TRL's): x, ab, y with the completion starting where the ids diverge from the prompt's (at "ab")
+    tok = build_tokenizer(merges=[("a", "b")])
+    rows = [{"prompt": "xa", "completion": "by"}, {"prompt": "x", "completion": "y"}]
+    out = {}
+    for mode in ("apart", "joint"):
+        with caplog.at_level(logging.WARNING, logger="hf_rlhf"):
+            caplog.clear()
+            out[mode] = prepare_sft_dataset(rows, tok, sft_args(prompt_tokenization=mode))
+        assert [r.getMessage().startswith("1 of 2 rows: tokens merge across") for r in caplog.records] == [True]
+        assert "SFTDataOptions.prompt_tokenization" in caplog.records[0].getMessage()  # the options passed
+        assert out[mode].column_names == ["input_ids", "completion_mask"]
+    assert tok.convert_ids_to_tokens(out["apart"][0]["input_ids"]) == ["<s>", "x", "a", "b", "y", "</s>"]
+    assert masked_text(tok, out["apart"][0]) == "by</s>"
+    assert tok.convert_ids_to_tokens(out["joint"][0]["input_ids"]) == ["<s>", "x", "ab", "y", "</s>"]
+    assert masked_text(tok, out["joint"][0]) == "aby</s>"
+    assert out["apart"][1] == out["joint"][1]  # no merge: the same either way
+
+
+def test_prompt_tokenization_reward_and_dpo():
+    from hf_rlhf import DPOConfig, RewardConfig
+    from hf_rlhf.data import prepare_preference_dataset
+    from hf_rlhf.data.dpo import prepare_dpo_dataset
+
+    tok = build_tokenizer(merges=[("a", "b")])
+    row = {"prompt": "xa", "chosen": "by", "rejected": "c"}
+    ids = {mode: prepare_preference_dataset([row], tok, RewardConfig(output_dir="o", prompt_tokenization=mode))[0]
+           for mode in ("apart", "joint")}
+    assert tok.convert_ids_to_tokens(ids["apart"]["chosen_ids"]) == ["<s>", "x", "a", "b", "y", "</s>"]
+    assert tok.convert_ids_to_tokens(ids["joint"]["chosen_ids"]) == ["<s>", "x", "ab", "y", "</s>"]
+    assert ids["apart"]["rejected_ids"] == ids["joint"]["rejected_ids"]
+    dpo = {mode: prepare_dpo_dataset([row], tok, DPOConfig(output_dir="o", prompt_tokenization=mode))[0]
+           for mode in ("apart", "joint")}
+    names = {mode: {k: tok.convert_ids_to_tokens(r[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+             for mode, r in dpo.items()}
+    assert names["apart"] == {"prompt_ids": ["<s>", "x", "a"], "chosen_ids": ["b", "y", "</s>"],
+                              "rejected_ids": ["c", "</s>"]}
+    # TRL's: the prompt cut where either side diverges from it, for both sides
+    assert names["joint"] == {"prompt_ids": ["<s>", "x"], "chosen_ids": ["ab", "y", "</s>"],
+                              "rejected_ids": ["a", "c", "</s>"]}
+    with pytest.raises(ValueError, match="prompt_tokenization='both'"):
+        DPOConfig(output_dir="o", prompt_tokenization="both")
+
+
 def test_conversational_assistant_masks(tokenizer):
     rows = [{"messages": [{"role": "system", "content": "be brief"}, *conv("hi", "yo"), *conv("ok?", "ok")]}]
     out = prepare_sft_dataset(rows, tokenizer, sft_args(assistant_only_loss=True))
@@ -322,6 +367,9 @@ def test_conversational_prompt_not_a_prefix(tokenizer):
     rows = [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}]
     with pytest.raises(DataValidationError, match="row 0, field 'prompt'.*prefix"):
         prepare_sft_dataset(rows, tokenizer, sft_args())
+    # prompt_tokenization="joint": TRL's, the completion starts where "q>>" and "qa" diverge
+    out = prepare_sft_dataset(rows, tokenizer, sft_args(prompt_tokenization="joint"))
+    assert masked_text(tokenizer, out[0]) == "a"
 
 
 def test_input_dataset_unchanged(tokenizer):

@@ -68,7 +68,7 @@ DPO_VALUES = {
     "dataset_num_proc": (2, "ok"),
     "max_length": (512, "ok"),
     "truncation_mode": ("keep_end", "ok"),
-    "padding_free": (True, "DPOConfig.padding_free=True: DPOTrainer builds padded"),
+    "padding_free": (True, "ok"),  # TRL 1.16 has it switched off; here the (1, N) layout of collators.dpo
     "pad_to_multiple_of": (8, "ok"),
     "precompute_ref_log_probs": (True, "ok"),
     "precompute_ref_batch_size": (16, "ok"),

@@ -1,6 +1,6 @@
-"""DPO's prefix-shared layout (each pair's prompt computed once) gives every architecture the completion log-probs
-and loss of TRL's padded chosen‖rejected layout within 1e-5, or the trainer refuses it when it is built (and the
-refusal is true)."""
+"""DPO's prefix-shared layout (each pair's prompt computed once) and padding-free layout (the 2B sequences end to end
+in one row) give every architecture the completion log-probs and loss of TRL's padded chosen‖rejected layout within
+1e-5, or the trainer refuses the layout when it is built (and the refusal is true)."""
 
 import pytest
 import torch
@@ -14,9 +14,10 @@ from zoo_models import MODEL_TYPES, TOKENIZER, build
 PAIRS = preference_dataset(6, seed=3, split="train")
 
 
-def make_trainer(tmp_path, model, prefix_sharing, check=True):
+def make_trainer(tmp_path, model, layout=None, check=True):
+    """`layout`: None (TRL's padded), "prefix_sharing" or "padding_free"."""
     args = DPOConfig(output_dir=str(tmp_path / "out"), report_to="none", max_length=64, save_strategy="no",
-                     disable_tqdm=True, prefix_sharing=prefix_sharing, packing_check=check)
+                     disable_tqdm=True, packing_check=check, **({layout: True} if layout else {}))
     return DPOTrainer(model, args=args, train_dataset=PAIRS, processing_class=TOKENIZER)
 
 
@@ -31,21 +32,22 @@ def logps_and_loss(trainer):
     return stats["logps"], loss, stats["lengths"]
 
 
+@pytest.mark.parametrize("layout", ["prefix_sharing", "padding_free"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_prefix_sharing_equals_padded_or_refuses(tmp_path, record_property, model_type):
+def test_layout_equals_padded_or_refuses(tmp_path, record_property, model_type, layout):
     model = build(model_type, seed=1).eval()
-    padded, padded_loss, padded_lengths = logps_and_loss(make_trainer(tmp_path, model, False))
+    padded, padded_loss, padded_lengths = logps_and_loss(make_trainer(tmp_path, model))
     try:
-        trainer = make_trainer(tmp_path, model, True)
+        trainer = make_trainer(tmp_path, model, layout)
     except PackingCheckError as err:
         message = str(err)
-        assert model_type in message and "prefix_sharing=True" in message
+        assert model_type in message and f"{layout}=True" in message
         record_property("refusal", message)
-        shared, _, _ = logps_and_loss(make_trainer(tmp_path, model, True, check=False))
+        shared, _, _ = logps_and_loss(make_trainer(tmp_path, model, layout, check=False))
         assert (shared - padded).abs().max() > 1e-4  # the refusal is true: the layout changes the log-probs
         return
     shared, shared_loss, shared_lengths = logps_and_loss(trainer)
     assert torch.equal(shared_lengths, padded_lengths)
     assert_close(shared, padded, atol=1e-5, rtol=1e-5)
     assert_close(shared_loss, padded_loss, atol=1e-5, rtol=1e-5)
-    print(f"{model_type}: max |logp diff| {(shared - padded).abs().max().item():.2e}")
+    print(f"{model_type} {layout}: max |logp diff| {(shared - padded).abs().max().item():.2e}")
