@@ -87,11 +87,11 @@ def worker(name: str, model_name: str, settings: dict, threads: int) -> dict:
     ids = torch.randint(5, min(vocab, 60), (b, width), generator=generator)
     mask = (torch.arange(width) >= (width - lengths).unsqueeze(1)).long()
     ids[mask == 0] = tokenizer.pad_token_id
-    times, tokens, digests = [], 0, []
+    times, cpu_times, tokens, digests = [], [], 0, []
     load_before = os.getloadavg()[0]
     for call in range(settings["calls"]):
         torch.manual_seed(call)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with torch.no_grad():
             if merged:
                 model.merge_adapter()
@@ -101,6 +101,7 @@ def worker(name: str, model_name: str, settings: dict, threads: int) -> dict:
             if merged:
                 model.unmerge_adapter()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
         tokens += out.response_ids.numel()
         digests.append(hash(tuple(out.response_ids.flatten().tolist())))
     per_call = tokens // settings["calls"]
@@ -112,6 +113,8 @@ def worker(name: str, model_name: str, settings: dict, threads: int) -> dict:
         "tokens_digest": str(hash(tuple(digests))),
         "tokens_per_s_excl_compile": per_call * len(later) / sum(later),
         "tokens_per_s_incl_compile": tokens / sum(times),
+        # per CPU-second (one thread): steadier than wall time when other jobs load the machine
+        "tokens_per_cpu_s_excl_compile": per_call * len(later) / sum(cpu_times[1:]),
         "compile_s": times[0] - statistics.median(later), "engine_compiles": engine.stats.compiles,
         "threads": torch.get_num_threads(), "load_before": load_before, "load_after": os.getloadavg()[0],
     }
@@ -123,28 +126,36 @@ def summarize(runs: list[dict], configs: list[str], repeats: int) -> dict:
     summary = {}
     for name in configs:
         entry = {}
-        for key in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile", "compile_s"):
+        for key in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile", "compile_s",
+                    "tokens_per_cpu_s_excl_compile"):
             values = [by[r, name][key] for r in range(repeats)]
             entry[key] = values
             entry["median_" + key] = statistics.median(values)
         if REFERENCE in configs:
-            for key in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile"):
+            for key in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile", "tokens_per_cpu_s_excl_compile"):
                 ratios = [by[r, name][key] / by[r, REFERENCE][key] for r in range(repeats)]
                 entry["ratios_" + key] = ratios
                 entry["median_ratio_" + key] = statistics.median(ratios)
+            # lora configs sample from another model: compared with generate on the same model
+            reference = REFERENCE + name[len(name.split("_lora")[0]):]
+            if reference in configs:
+                entry["same_tokens"] = "yes" if all(by[r, name]["tokens_digest"] == by[r, reference]["tokens_digest"]
+                                                    for r in range(repeats)) else "NO"
         summary[name] = entry
     return summary
 
 
 def markdown_table(summary: dict) -> str:
     lines = ["| config | tokens/s excl. compile | ratio vs generate | tokens/s incl. compile | ratio vs generate "
-             "| compile s |", "|---|---:|---:|---:|---:|---:|"]
+             "| compile s | tokens/CPU-s excl. compile | ratio vs generate | same tokens as generate |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, e in summary.items():
         ratio = {k: f"{e['median_ratio_' + k]:.2f}×" if "median_ratio_" + k in e else "–"
-                 for k in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile")}
+                 for k in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile", "tokens_per_cpu_s_excl_compile")}
         lines.append(f"| {name} | {e['median_tokens_per_s_excl_compile']:,.0f} | {ratio['tokens_per_s_excl_compile']} "
                      f"| {e['median_tokens_per_s_incl_compile']:,.0f} | {ratio['tokens_per_s_incl_compile']} "
-                     f"| {max(e['median_compile_s'], 0):.1f} |")
+                     f"| {max(e['median_compile_s'], 0):.1f} | {e['median_tokens_per_cpu_s_excl_compile']:,.0f} "
+                     f"| {ratio['tokens_per_cpu_s_excl_compile']} | {e.get('same_tokens', '–')} |")
     return "\n".join(lines)
 
 
