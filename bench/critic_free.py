@@ -57,7 +57,8 @@ CONFIGS = {
 DEFAULT_CONFIGS = ("hf_rlhf_grpo", "trl_grpo", "hf_rlhf_rloo", "trl_rloo")
 VALUE_CONFIGS = ("hf_rlhf_reinforce_pp", "hf_rlhf_ppo_value_head", "hf_rlhf_ppo_value_model")
 BACKENDS = {"hf_rlhf_grpo_generate": "generate", "hf_rlhf_grpo_lean": "lean"}
-REFERENCE = {"hf_rlhf_grpo": "trl_grpo", "hf_rlhf_grpo_generate": "trl_grpo", "hf_rlhf_grpo_lean": "trl_grpo", "hf_rlhf_rloo": "trl_rloo", "hf_rlhf_ppo_value_head": "hf_rlhf_reinforce_pp",
+REFERENCE = {"hf_rlhf_grpo": "trl_grpo", "hf_rlhf_grpo_generate": "trl_grpo", "hf_rlhf_grpo_lean": "trl_grpo",
+             "hf_rlhf_rloo": "trl_rloo", "hf_rlhf_ppo_value_head": "hf_rlhf_reinforce_pp",
              "hf_rlhf_ppo_value_model": "hf_rlhf_reinforce_pp"}
 PRESETS = {
     # completions per optimizer step = micro x grad_accum = prompts_per_step x num_generations

@@ -35,7 +35,8 @@ import time
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
 DEFAULT_CONFIGS = ("generate", "static_eager", "static")
-EXTRA_CONFIGS = ("lean", "lean_lora", "generate_lora", "generate_lora_merged", "static_eager_lora", "static_lora", "static_lora_merged")
+EXTRA_CONFIGS = ("lean", "lean_lora", "generate_lora", "generate_lora_merged", "static_eager_lora", "static_lora",
+                 "static_lora_merged")
 REFERENCE = "generate"
 PRESETS = {
     "full": dict(batch=32, prompt_len=48, prompt_min=40, new_tokens=32, calls=4),
