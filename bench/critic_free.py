@@ -281,7 +281,8 @@ def main(argv=None) -> dict:
     print(markdown_table(summary))
     print()
     print(phase_table(runs, configs))
-    print(f"\nReproduce: `python bench/critic_free.py{' --quick' if cli.quick else ''} --repeats {cli.repeats}`")
+    chosen = "" if cli.configs == ",".join(DEFAULT_CONFIGS) else f" --configs {cli.configs}"
+    print(f"\nReproduce: `python bench/critic_free.py{' --quick' if cli.quick else ''}{chosen} --repeats {cli.repeats}`")
     return report
 
 

@@ -244,6 +244,10 @@ class LeanDecodeEngine(GenerationEngine):
 
     def check_model(self, model) -> None:
         base = _base_model(model)
+        peft_config = getattr(model, "active_peft_config", None)
+        if peft_config is not None and peft_config.is_prompt_learning:
+            raise ValueError(f"PPOConfig.generation_backend='lean' cannot serve a {peft_config.peft_type} peft model "
+                             f"(prompt learning adds inputs that only peft's generate builds); {_REFER}.")
         if base.config.is_encoder_decoder or not base._supports_default_dynamic_cache():
             raise ValueError(
                 f"PPOConfig.generation_backend='lean' cannot serve {type(base).__name__} "
@@ -281,6 +285,9 @@ class LeanDecodeEngine(GenerationEngine):
         from transformers import DynamicCache
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
+        # the transformers model itself, as peft's generate runs it: LoRA layers sit inside it (and a disabled
+        # adapter is off there too), so the peft wrapper's per-call forward hooks are skipped at every step
+        self.check_model(model)
         base = _base_model(model)
         config, processors = self._plan(base, query_ids, kwargs)
         eos = config.eos_token_id
@@ -303,7 +310,7 @@ class LeanDecodeEngine(GenerationEngine):
         tokens = []
         finished_here = False
         for step in range(config.max_new_tokens):
-            out = model(**inputs, return_dict=True)
+            out = base(**inputs, return_dict=True)
             if not finished_here:
                 logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
                 scores = processors(query_ids, logits)  # these warpers read only the scores
