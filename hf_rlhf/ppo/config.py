@@ -79,9 +79,9 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             bucket) shape, so compile included it was 0.59x / 0.13x over 4 batches; the eager static cache alone is
             no faster; no GPU was measured here. Try "static" for long runs with one batch shape, on GPUs above all.
             "lean" is not the default either: transformers 5.24's `generate` costs only ~1 ms a step over the
-            model's own forward, so per CPU-second lean decoded about 1.05x generate's tokens on the toy, 0.91-1.01x
-            on the 42M Llama, and GRPO (bench/critic_free.py) ran at 1.02x episodes per CPU-second (0.94x wall,
-            within the machine's noise); it is exact, so it can be chosen freely where its options suffice.
+            model's own forward, so per CPU-second lean decoded 1.17-1.18x generate's tokens on the 0.9M toy but
+            0.91-1.01x on the 42M Llama, and GRPO (bench/critic_free.py) ran at 1.02x episodes per CPU-second (0.94x
+            wall, within the machine's noise); it is exact, so it can be chosen freely where its options suffice.
         stop_token: "eos" (default) or None; stop_token_id: an explicit stop token (wins over stop_token). The
             response ends after the first stop token; tokens after it are padding.
         missing_eos_penalty: subtracted from the score of a response that never produced the stop token.
