@@ -80,8 +80,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             no faster; no GPU was measured here. Try "static" for long runs with one batch shape, on GPUs above all.
             "lean" is not the default either: transformers 5.24's `generate` costs only ~1 ms a step over the
             model's own forward, so per CPU-second lean decoded 1.17-1.18x generate's tokens on the 0.9M toy but
-            0.91-1.01x on the 42M Llama, and GRPO (bench/critic_free.py) ran at 1.02x episodes per CPU-second (0.94x
-            wall, within the machine's noise); it is exact, so it can be chosen freely where its options suffice.
+            0.91-1.01x on the 42M Llama, and GRPO (bench/critic_free.py) ran at 1.02-1.03x episodes per CPU-second
+            (0.94-1.03x wall, within the machine's noise); it is exact, so it can be chosen freely where its options suffice.
         stop_token: "eos" (default) or None; stop_token_id: an explicit stop token (wins over stop_token). The
             response ends after the first stop token; tokens after it are padding.
         missing_eos_penalty: subtracted from the score of a response that never produced the stop token.
