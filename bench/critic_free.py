@@ -24,6 +24,7 @@ prompts, one completion per prompt, the same KL (β = 0.05, k1, in the reward) a
 
     python bench/critic_free.py                          # ~10 min on 2 busy CPU cores
     python bench/critic_free.py --configs value          # what PPO's value head / value model costs
+    python bench/critic_free.py --configs hf_rlhf_grpo_generate,hf_rlhf_grpo_lean,trl_grpo --repeats 5
     python bench/critic_free.py --quick --repeats 1      # smoke run: 4 workers, ~2 min on 2 busy cores
 """
 
@@ -46,6 +47,8 @@ import ppo as ppo_bench  # bench/ppo.py: PhaseTimer, peak_rss_mb, backbone, memo
 CONFIGS = {
     "hf_rlhf_grpo": ("hf_rlhf", "grpo", None), "trl_grpo": ("trl", "grpo", None),
     "hf_rlhf_rloo": ("hf_rlhf", "rloo", None), "trl_rloo": ("trl", "rloo", None),
+    # hf_rlhf GRPO with an explicit `PPOConfig.generation_backend` (hf_rlhf_grpo: the trainer's default)
+    "hf_rlhf_grpo_generate": ("hf_rlhf", "grpo", None), "hf_rlhf_grpo_lean": ("hf_rlhf", "grpo", None),
     # the value group: what the value function costs, on PPO's one sample per prompt (--configs value)
     "hf_rlhf_reinforce_pp": ("hf_rlhf", "reinforce_pp", None),
     "hf_rlhf_ppo_value_head": ("hf_rlhf", "gae", "head"),
@@ -53,7 +56,9 @@ CONFIGS = {
 }
 DEFAULT_CONFIGS = ("hf_rlhf_grpo", "trl_grpo", "hf_rlhf_rloo", "trl_rloo")
 VALUE_CONFIGS = ("hf_rlhf_reinforce_pp", "hf_rlhf_ppo_value_head", "hf_rlhf_ppo_value_model")
-REFERENCE = {"hf_rlhf_grpo": "trl_grpo", "hf_rlhf_rloo": "trl_rloo", "hf_rlhf_ppo_value_head": "hf_rlhf_reinforce_pp",
+BACKENDS = {"hf_rlhf_grpo_generate": "generate", "hf_rlhf_grpo_lean": "lean"}
+REFERENCE = {"hf_rlhf_grpo": "trl_grpo", "hf_rlhf_grpo_generate": "trl_grpo", "hf_rlhf_grpo_lean": "trl_grpo",
+             "hf_rlhf_rloo": "trl_rloo", "hf_rlhf_ppo_value_head": "hf_rlhf_reinforce_pp",
              "hf_rlhf_ppo_value_model": "hf_rlhf_reinforce_pp"}
 PRESETS = {
     # completions per optimizer step = micro x grad_accum = prompts_per_step x num_generations
@@ -87,10 +92,13 @@ def build_trl(estimator: str, model_dir: str, prompts, settings: dict, output_di
     return trainer, {"policy": trainer.model, "reference": trainer.ref_model}
 
 
-def build_hf_rlhf(estimator: str, model_dir: str, prompts, settings: dict, output_dir: str, value: str | None = None):
+def build_hf_rlhf(estimator: str, model_dir: str, prompts, settings: dict, output_dir: str, value: str | None = None,
+                  backend: str | None = None):
     from hf_rlhf import PPOConfig, PPOTrainer
 
     kl = dict(kl_in_loss=True, kl_estimator="k3") if estimator == "grpo" else dict(kl_estimator="k1")
+    if backend is not None:
+        kl["generation_backend"] = backend
     args = PPOConfig(**trainer_options(settings, output_dir), advantage_estimator=estimator,
                      num_generations=num_generations(estimator, settings), num_ppo_epochs=1,
                      rollout_batch_size=settings["micro"] * settings["grad_accum"],
@@ -127,7 +135,7 @@ def worker(name: str, settings: dict, threads: int, model_dir: str) -> dict:
         if library == "trl":
             trainer, models = build_trl(estimator, model_dir, prompts, settings, tmp)
         else:
-            trainer, models = build_hf_rlhf(estimator, model_dir, prompts, settings, tmp, value)
+            trainer, models = build_hf_rlhf(estimator, model_dir, prompts, settings, tmp, value, BACKENDS.get(name))
         timed = {role: model for role, model in models.items() if model is not None}
         if value != "model":
             timed.pop("value", None)  # a value head is no backbone: its cost is inside the policy's forward
@@ -273,7 +281,8 @@ def main(argv=None) -> dict:
     print(markdown_table(summary))
     print()
     print(phase_table(runs, configs))
-    print(f"\nReproduce: `python bench/critic_free.py{' --quick' if cli.quick else ''} --repeats {cli.repeats}`")
+    chosen = "" if cli.configs == ",".join(DEFAULT_CONFIGS) else f" --configs {cli.configs}"
+    print(f"\nReproduce: `python bench/critic_free.py{' --quick' if cli.quick else ''}{chosen} --repeats {cli.repeats}`")
     return report
 
 

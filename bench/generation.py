@@ -8,6 +8,7 @@ samples `calls` rollout-shaped batches (prompts of `prompt_min`..`prompt_len` to
     generate          `GenerateEngine`: transformers `generate`, dynamic KV cache (today's path, the reference).
     static_eager      `StaticCacheEngine(compile=False)`: static KV cache, prompts bucketed, no compile.
     static            `StaticCacheEngine()`: static KV cache, decoding forward compiled (inductor on CPU).
+    lean              `LeanDecodeEngine`: a minimal decode loop with a `DynamicCache` (generate's tokens).
     *_lora            the same engine on a peft LoRA policy (r=16 on q/k/v/o), adapters unmerged.
     *_lora_merged     the same, with `merge_adapter()` before and `unmerge_adapter()` after each batch (timed).
 
@@ -16,6 +17,8 @@ hidden 512, 8 layers, vocabulary 16000). tokens/s excl. compile = tokens of call
 all tokens / all time (the first call pays the compile); compile s = first call - median later call.
 
     python bench/generation.py --model toy --repeats 2
+    python bench/generation.py --model toy --repeats 5 --configs generate,lean
+    python bench/generation.py --model llama40m --repeats 5 --configs generate,lean,generate_lora,lean_lora
     python bench/generation.py --model llama40m --repeats 2 --configs generate,static_eager,static,generate_lora,generate_lora_merged,static_lora,static_lora_merged
     python bench/generation.py --quick --repeats 1 --output /tmp/smoke.json     # smoke test
 """
@@ -32,7 +35,8 @@ import time
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
 DEFAULT_CONFIGS = ("generate", "static_eager", "static")
-EXTRA_CONFIGS = ("generate_lora", "generate_lora_merged", "static_eager_lora", "static_lora", "static_lora_merged")
+EXTRA_CONFIGS = ("lean", "lean_lora", "generate_lora", "generate_lora_merged", "static_eager_lora", "static_lora",
+                 "static_lora_merged")
 REFERENCE = "generate"
 PRESETS = {
     "full": dict(batch=32, prompt_len=48, prompt_min=40, new_tokens=32, calls=4),
@@ -75,7 +79,7 @@ def worker(name: str, model_name: str, settings: dict, threads: int) -> dict:
                                                                                       "o_proj"], lora_dropout=0.0))
     model.eval()
     backend = name.split("_lora")[0]
-    engine = build_engine("generate") if backend == "generate" else build_engine(
+    engine = build_engine(backend) if backend in ("generate", "lean") else build_engine(
         "static", compile=backend == "static")
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -84,11 +88,11 @@ def worker(name: str, model_name: str, settings: dict, threads: int) -> dict:
     ids = torch.randint(5, min(vocab, 60), (b, width), generator=generator)
     mask = (torch.arange(width) >= (width - lengths).unsqueeze(1)).long()
     ids[mask == 0] = tokenizer.pad_token_id
-    times, tokens = [], 0
+    times, cpu_times, tokens, digests = [], [], 0, []
     load_before = os.getloadavg()[0]
     for call in range(settings["calls"]):
         torch.manual_seed(call)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with torch.no_grad():
             if merged:
                 model.merge_adapter()
@@ -98,14 +102,20 @@ def worker(name: str, model_name: str, settings: dict, threads: int) -> dict:
             if merged:
                 model.unmerge_adapter()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
         tokens += out.response_ids.numel()
+        digests.append(hash(tuple(out.response_ids.flatten().tolist())))
     per_call = tokens // settings["calls"]
     later = times[1:]
     return {
         "config": name, "model": model_name, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "tokens_per_call": per_call, "call_seconds": times,
+        # the sampled tokens of every call (same seeds in every run): equal across engines that sample alike
+        "tokens_digest": str(hash(tuple(digests))),
         "tokens_per_s_excl_compile": per_call * len(later) / sum(later),
         "tokens_per_s_incl_compile": tokens / sum(times),
+        # per CPU-second (one thread): steadier than wall time when other jobs load the machine
+        "tokens_per_cpu_s_excl_compile": per_call * len(later) / sum(cpu_times[1:]),
         "compile_s": times[0] - statistics.median(later), "engine_compiles": engine.stats.compiles,
         "threads": torch.get_num_threads(), "load_before": load_before, "load_after": os.getloadavg()[0],
     }
@@ -117,28 +127,38 @@ def summarize(runs: list[dict], configs: list[str], repeats: int) -> dict:
     summary = {}
     for name in configs:
         entry = {}
-        for key in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile", "compile_s"):
+        for key in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile", "compile_s",
+                    "tokens_per_cpu_s_excl_compile"):
             values = [by[r, name][key] for r in range(repeats)]
             entry[key] = values
             entry["median_" + key] = statistics.median(values)
-        if REFERENCE in configs:
-            for key in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile"):
-                ratios = [by[r, name][key] / by[r, REFERENCE][key] for r in range(repeats)]
+        # a *_lora config is compared with generate on the same LoRA model when that ran too (it samples from
+        # another model than the plain one)
+        reference = REFERENCE + name[len(name.split("_lora")[0]):]
+        reference = reference if reference in configs else REFERENCE
+        if reference in configs:
+            for key in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile", "tokens_per_cpu_s_excl_compile"):
+                ratios = [by[r, name][key] / by[r, reference][key] for r in range(repeats)]
                 entry["ratios_" + key] = ratios
                 entry["median_ratio_" + key] = statistics.median(ratios)
+            if name != reference and (reference == REFERENCE) == ("_lora" not in name):
+                entry["same_tokens"] = "yes" if all(by[r, name]["tokens_digest"] == by[r, reference]["tokens_digest"]
+                                                    for r in range(repeats)) else "NO"
         summary[name] = entry
     return summary
 
 
 def markdown_table(summary: dict) -> str:
-    lines = ["| config | tokens/s excl. compile | ratio vs generate | tokens/s incl. compile | ratio vs generate "
-             "| compile s |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| config | tokens/s excl. compile | ratio vs generate (same model) | tokens/s incl. compile | ratio vs generate "
+             "| compile s | tokens/CPU-s excl. compile | ratio vs generate | same tokens as generate |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, e in summary.items():
         ratio = {k: f"{e['median_ratio_' + k]:.2f}×" if "median_ratio_" + k in e else "–"
-                 for k in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile")}
+                 for k in ("tokens_per_s_excl_compile", "tokens_per_s_incl_compile", "tokens_per_cpu_s_excl_compile")}
         lines.append(f"| {name} | {e['median_tokens_per_s_excl_compile']:,.0f} | {ratio['tokens_per_s_excl_compile']} "
                      f"| {e['median_tokens_per_s_incl_compile']:,.0f} | {ratio['tokens_per_s_incl_compile']} "
-                     f"| {max(e['median_compile_s'], 0):.1f} |")
+                     f"| {max(e['median_compile_s'], 0):.1f} | {e['median_tokens_per_cpu_s_excl_compile']:,.0f} "
+                     f"| {ratio['tokens_per_cpu_s_excl_compile']} | {e.get('same_tokens', '–')} |")
     return "\n".join(lines)
 
 

@@ -87,11 +87,12 @@ def rollout_size(group: dict) -> int:
 class PhaseTimer:
     """Wall time of `train()` by phase, from hooks both libraries go through alike.
 
-    generate: `GenerationMixin.generate` (and the rows it generated = the episodes); forward/reward/no_grad: hf_rlhf's
-    reward source (re-tokenization + forward), TRL's reward-model backbone; forward/<model>/<grad|no_grad>: the other
-    forwards of each model's backbone (a LoRA reference is the policy backbone with adapters off, so it counts as
-    policy; so do a value adapter's forwards on the shared base); backward: `Tensor.backward`; optimizer:
-    `Optimizer.step`; gc: explicit `gc.collect()` calls (TRL makes two per rollout). The rest is "other".
+    generate: `GenerationMixin.generate`, or the lean engine's decode loop (and the rows it generated = the
+    episodes); forward/reward/no_grad: hf_rlhf's reward source (re-tokenization + forward), TRL's reward-model
+    backbone; forward/<model>/<grad|no_grad>: the other forwards of each model's backbone (a LoRA reference is the
+    policy backbone with adapters off, so it counts as policy; so do a value adapter's forwards on the shared base);
+    backward: `Tensor.backward`; optimizer: `Optimizer.step`; gc: explicit `gc.collect()` calls (TRL makes two per
+    rollout). The rest is "other".
     """
 
     def __init__(self):
@@ -131,6 +132,18 @@ class PhaseTimer:
             return generate(model, *args, **kwargs)
 
         GenerationMixin.generate = self.timed("generate", counted_generate)
+        try:  # hf_rlhf's lean engine decodes without `generate`: its calls are the generation phase then
+            from hf_rlhf.generation.engines import LeanDecodeEngine
+        except ImportError:  # a TRL worker's path may lack it
+            LeanDecodeEngine = None
+        if LeanDecodeEngine is not None:
+            lean = LeanDecodeEngine._generate
+
+            def counted_lean(engine, model, query_ids, *args, **kwargs):
+                self.rows += query_ids.shape[0]
+                return lean(engine, model, query_ids, *args, **kwargs)
+
+            LeanDecodeEngine._generate = self.timed("generate", counted_lean)
         torch.Tensor.backward = self.timed("backward", torch.Tensor.backward)
         gc.collect = self.timed("gc", gc.collect)
         register_optimizer_step_pre_hook(lambda *a: self._start("optimizer"))

@@ -3,7 +3,7 @@ rollout's generation engines (`GenerationEngine`, `build_engine`, `PPOConfig.gen
 
 from .completions import generate_completions
 from .engines import (GENERATION_BACKENDS, EngineStats, GenerateEngine, GenerationEngine, GenerationOutput,
-                      StaticCacheEngine, build_engine)
+                      LeanDecodeEngine, StaticCacheEngine, build_engine, check_lean_options)
 
 __all__ = ["GENERATION_BACKENDS", "EngineStats", "GenerateEngine", "GenerationEngine", "GenerationOutput",
-           "StaticCacheEngine", "build_engine", "generate_completions"]
+           "LeanDecodeEngine", "StaticCacheEngine", "check_lean_options", "build_engine", "generate_completions"]

@@ -4,6 +4,9 @@ One small interface, `GenerationEngine.generate(model, query_ids, query_mask, ..
 two in-process implementations on transformers' own `generate`:
 
 - `generate` (`GenerateEngine`): `model.generate` with the dynamic KV cache, today's path and the reference.
+- `lean` (`LeanDecodeEngine`): a minimal decode loop on the model's own forward with transformers' `DynamicCache`,
+  the logits warpers `generate` would build, and the same random draws: the tokens of `generate` (greedy, and
+  sampled with the same seed) without its per-step Python overhead, which dominates small models on CPU.
 - `static` (`StaticCacheEngine`): `model.generate(cache_implementation="static")` (a pre-allocated `StaticCache`)
   with the decoding forward compiled by transformers' auto-compile (`CompileConfig`, `torch.compile`; inductor on
   CPU, CUDA graphs on GPUs). Prompts are left-padded to a multiple of `bucket` columns so that a new prompt
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger("hf_rlhf")
 
-GENERATION_BACKENDS = ("generate", "static")
+GENERATION_BACKENDS = ("generate", "static", "lean")
 
 
 @dataclass
@@ -37,8 +40,9 @@ class GenerationOutput:
     response_ids: (B, R) the new tokens only (R <= max_new_tokens; rows that stopped early are padded with
         `pad_token_id` after their stop token).
     logprobs: (B, R) log-probabilities of `response_ids` under the sampling distribution at `temperature`, or
-        None where the engine cannot give them exactly and cheaply (both engines here: the trainer recomputes
-        them in its own forward).
+        None where the engine cannot give them exactly and cheaply (every engine here: the trainer recomputes
+        them in its own forward; the incremental decode's logits differ from that full-sequence forward in the last
+        float bits, so `lean` leaves them None too).
     """
 
     response_ids: torch.LongTensor
@@ -201,10 +205,164 @@ class StaticCacheEngine(GenerationEngine):
         return out[:, width:]
 
 
+# the generate options `lean` implements; any other one (repetition_penalty, min_new_tokens, num_beams, stop_strings,
+# a streamer, ...) is refused by name rather than silently ignored
+LEAN_OPTIONS = frozenset({"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "pad_token_id",
+                          "eos_token_id", "bos_token_id", "use_cache"})
+_LEAN_CONFIG_NEUTRAL = dict(num_beams=1, num_return_sequences=1, max_time=None, stop_strings=None,
+                            prefill_chunk_size=None, return_dict_in_generate=False, output_scores=False,
+                            output_logits=False, use_cache=True)
+_REFER = "use generation_backend='generate' (transformers' generate implements every option)"
+
+
+def check_lean_options(generation_kwargs: dict | None) -> None:
+    """Raise a ValueError naming the `generation_kwargs` that the `lean` engine does not implement (config time)."""
+    unsupported = sorted(set(generation_kwargs or {}) - LEAN_OPTIONS)
+    if unsupported:
+        raise ValueError(f"generation_backend='lean' does not implement the generation_kwargs {unsupported} (it "
+                         f"implements {sorted(LEAN_OPTIONS)}); {_REFER}")
+
+
+class LeanDecodeEngine(GenerationEngine):
+    """A minimal decode loop: prefill with a `DynamicCache`, then one forward of the model per new token.
+
+    Every step is the one transformers' `generate` (`_sample`) takes, minus its per-step bookkeeping: the generation
+    config merged as `generate` merges it (the model's `generation_config`, then the arguments), position ids from
+    the attention mask as `generate` builds them (cumsum - 1, 0 on the padding), `logits_to_keep=1` on the prefill
+    where the model accepts it, float32 logits of the last position through the logits processors `generate` builds
+    (`TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`, in its order), `torch.multinomial` on their
+    softmax (argmax without sampling), pad tokens after a row's eos, and a stop once every row has finished. So it
+    consumes the random stream as `generate` does and samples the same tokens for the same seed; greedy tokens are
+    equal too. Under ZeRO-3 / FSDP with several ranks, the ranks keep stepping until all have finished, as
+    `generate`'s `synced_gpus` does.
+
+    Options it does not implement (repetition_penalty, min_new_tokens, num_beams, stop_strings, ..., whether passed
+    or set in the model's `generation_config`) are a ValueError naming them. `GenerationOutput.logprobs` is None.
+    """
+
+    name = "lean"
+
+    def check_model(self, model) -> None:
+        base = _base_model(model)
+        peft_config = getattr(model, "active_peft_config", None)
+        if peft_config is not None and peft_config.is_prompt_learning:
+            raise ValueError(f"PPOConfig.generation_backend='lean' cannot serve a {peft_config.peft_type} peft model "
+                             f"(prompt learning adds inputs that only peft's generate builds); {_REFER}.")
+        if base.config.is_encoder_decoder or not base._supports_default_dynamic_cache():
+            raise ValueError(
+                f"PPOConfig.generation_backend='lean' cannot serve {type(base).__name__} "
+                f"(model_type={base.config.model_type!r}): it needs a decoder-only model that uses transformers' "
+                f"DynamicCache; {_REFER}.")
+
+    def _plan(self, base, query_ids, kwargs):
+        """(generation config as `generate` resolves it, its logits processors), or a ValueError naming what `lean`
+        does not implement."""
+        from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                            TopPLogitsWarper)
+
+        check_lean_options({k: v for k, v in kwargs.items() if k not in LEAN_OPTIONS})
+        config, model_kwargs = base._prepare_generation_config(None, **kwargs)
+        if model_kwargs:
+            check_lean_options(model_kwargs)
+        changed = {k: getattr(config, k) for k, neutral in _LEAN_CONFIG_NEUTRAL.items()
+                   if getattr(config, k, None) not in (neutral, None)}
+        if changed or config.cache_implementation not in (None, "dynamic"):
+            changed.update({"cache_implementation": config.cache_implementation} if config.cache_implementation
+                           not in (None, "dynamic") else {})
+            raise ValueError(f"generation_backend='lean' does not implement {changed} (from the arguments or the "
+                             f"model's generation_config); {_REFER}")
+        processors = base._get_logits_processor(generation_config=config, input_ids_seq_length=query_ids.shape[1],
+                                                encoder_input_ids=query_ids, device=query_ids.device, model_kwargs={})
+        implemented = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+        others = [type(p).__name__ for p in processors if not isinstance(p, implemented)]
+        if others:
+            raise ValueError(f"generation_backend='lean' does not implement the logits processors {others} that "
+                             f"generate would apply (set by the arguments or the model's generation_config: "
+                             f"repetition_penalty, min_new_tokens, bad_words_ids, ...); {_REFER}")
+        return config, processors
+
+    def _generate(self, model, query_ids, query_mask, kwargs):
+        from transformers import DynamicCache
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        # the transformers model itself, as peft's generate runs it: LoRA layers sit inside it (and a disabled
+        # adapter is off there too), so the peft wrapper's per-call forward hooks are skipped at every step
+        self.check_model(model)
+        base = _base_model(model)
+        config, processors = self._plan(base, query_ids, kwargs)
+        eos = config.eos_token_id
+        eos = None if eos is None else torch.as_tensor(eos, device=query_ids.device).view(-1)
+        pad = config.pad_token_id if config.pad_token_id is not None else (None if eos is None else int(eos[0]))
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        synced = world > 1 and (is_deepspeed_zero3_enabled() or _fsdp_managed(model))
+        accepted = _forward_parameters(base)
+
+        batch = query_ids.shape[0]
+        mask = query_mask.long()
+        inputs = dict(input_ids=query_ids, attention_mask=mask, use_cache=True)
+        inputs["cache"] = DynamicCache(config=base.config.get_text_config(decoder=True))
+        if "position_ids" in accepted:
+            positions = mask.cumsum(-1) - 1
+            inputs["position_ids"] = positions.masked_fill(mask == 0, 0)
+        if "logits_to_keep" in accepted:
+            inputs["logits_to_keep"] = 1
+        unfinished = torch.ones(batch, dtype=torch.long, device=query_ids.device)
+        tokens = []
+        finished_here = False
+        for step in range(config.max_new_tokens):
+            out = base(**inputs, return_dict=True)
+            if not finished_here:
+                logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+                scores = processors(query_ids, logits)  # these warpers read only the scores
+                if config.do_sample:
+                    next_tokens = torch.multinomial(F.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    next_tokens = torch.argmax(scores, dim=-1)
+                if eos is not None:
+                    next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
+                    unfinished = unfinished & ~torch.isin(next_tokens, eos)
+                tokens.append(next_tokens)
+                finished_here = step + 1 == config.max_new_tokens or (eos is not None and unfinished.max() == 0)
+            del out
+            if not _keep_stepping(finished_here, synced, query_ids.device) or step + 1 == config.max_new_tokens:
+                break
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
+            # generate's next input is the last token appended (a rank that has finished keeps feeding its last one)
+            inputs.update(input_ids=tokens[-1][:, None], attention_mask=mask)
+            inputs.pop("logits_to_keep", None)
+            if "position_ids" in inputs:
+                inputs["position_ids"] = inputs["position_ids"][:, -1:] + 1
+        return torch.stack(tokens, dim=1)
+
+
+def _forward_parameters(model) -> set:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _fsdp_managed(model) -> bool:
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    return is_fsdp_managed_module(model)
+
+
+def _keep_stepping(this_rank_finished: bool, synced: bool, device) -> bool:
+    """generate's `_has_unfinished_sequences`: with `synced` ranks (ZeRO-3, FSDP), every rank runs forwards until
+    all have finished (a forward gathers parameters from every rank)."""
+    if not synced:
+        return not this_rank_finished
+    flag = torch.tensor(0.0 if this_rank_finished else 1.0, device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.SUM)
+    return flag.item() != 0.0
+
+
 def build_engine(backend: str, **kwargs) -> GenerationEngine:
     """The engine of `PPOConfig.generation_backend` (one of `GENERATION_BACKENDS`)."""
     if backend == "generate":
         return GenerateEngine()
+    if backend == "lean":
+        return LeanDecodeEngine(**kwargs)
     if backend == "static":
         return StaticCacheEngine(**kwargs)
     raise ValueError(f"generation_backend={backend!r}; expected one of {list(GENERATION_BACKENDS)}")

@@ -23,7 +23,7 @@ from transformers import TrainingArguments
 
 from ..config_checks import check_field_types, renamed_options
 from ..configs import DeviceDefaultsMixin, InputCheckOptions, NonFiniteOptions
-from ..generation.engines import GENERATION_BACKENDS
+from ..generation.engines import GENERATION_BACKENDS, check_lean_options
 from .critic_free import LOSS_TYPES, SCALE_REWARDS
 from .kl import KL_ESTIMATORS
 from .losses import IMPORTANCE_SAMPLING_LEVELS
@@ -68,12 +68,20 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             decoding forward compiled (`torch.compile`), prompts left-padded to multiples of 32 columns so a new
             prompt length reuses its bucket's graph; it pays a one-off compile per (batch, bucket) shape
             (tens of seconds on CPU), logged and counted in the engine's stats. Same greedy tokens as
-            "generate" on every zoo architecture.
+            "generate" on every zoo architecture. "lean": a minimal decode loop on the model's own forward with
+            transformers' `DynamicCache` and the logits warpers `generate` builds (temperature, top_k, top_p): the
+            same tokens as "generate" (greedy, and sampled with the same seed) without generate's per-step Python
+            overhead; options it does not implement (repetition_penalty, min_new_tokens, num_beams, ... in
+            generation_kwargs or the model's generation_config) are a ValueError naming them.
             Default "generate" on every device: on this project's loaded 2-core CPU (bench/generation.py, README
             "Benchmarks") compiled "static" decoded a 42M Llama at 1.14x generate's tokens/s (per-round ratios 1.35
             and 0.94: within the machine's noise) and the 0.9M toy at 0.83x, after 24-28 s of compile per (batch,
             bucket) shape, so compile included it was 0.59x / 0.13x over 4 batches; the eager static cache alone is
             no faster; no GPU was measured here. Try "static" for long runs with one batch shape, on GPUs above all.
+            "lean" is not the default either: transformers 5.24's `generate` costs only ~1 ms a step over the
+            model's own forward, so per CPU-second lean decoded 1.17-1.18x generate's tokens on the 0.9M toy but
+            0.91-1.01x on the 42M Llama, and GRPO (bench/critic_free.py) ran at 1.02-1.03x episodes per CPU-second
+            (0.94-1.03x wall, within the machine's noise); it is exact, so it can be chosen freely where its options suffice.
         stop_token: "eos" (default) or None; stop_token_id: an explicit stop token (wins over stop_token). The
             response ends after the first stop token; tokens after it are padding.
         missing_eos_penalty: subtracted from the score of a response that never produced the stop token.
@@ -166,8 +174,9 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     )
     generation_backend: str = field(
         default="generate",
-        metadata={"help": "Rollout generation engine: generate (transformers' generate, dynamic KV cache) or static "
-                          "(static KV cache, decoding forward compiled, prompts bucketed).",
+        metadata={"help": "Rollout generation engine: generate (transformers' generate, dynamic KV cache), static "
+                          "(static KV cache, decoding forward compiled, prompts bucketed) or lean (a minimal "
+                          "decode loop with a DynamicCache, generate's tokens).",
                   "choices": list(GENERATION_BACKENDS)},
     )
     stop_token: str | None = field(
@@ -261,6 +270,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             self.num_generations = TRL_NUM_GENERATIONS if self.advantage_estimator in GROUP_ESTIMATORS else 1
         self._check_batches()
         self._check_options()
+        if self.generation_backend == "lean":  # options it does not implement are refused now, not ignored
+            check_lean_options(self.generation_kwargs)
 
     @property
     def critic_free(self) -> bool:

@@ -95,11 +95,12 @@ class Runs:
     def __init__(self, root: Path):
         self.root, self.done = root, {}
 
-    def get(self, engine: str | None, task: str) -> dict:
-        key = (engine, task)
+    def get(self, engine: str | None, task: str, backend: str = "generate") -> dict:
+        key = (engine, task, backend)
         if key not in self.done:
-            out = self.root / f"{engine or 'single'}-{task}"
+            out = self.root / f"{engine or 'single'}-{task}{'' if backend == 'generate' else '-' + backend}"
             extra = ["--policy_path", self.policy_dir()] if task in (*PPO_TASKS, "grpo_dynamic") else []
+            extra += [] if backend == "generate" else ["--generation_backend", backend]
             wall = run(launch_cmd(engine, "--task", task, "--out", str(out), "--steps", str(STEPS),
                                   "--global_batch", str(GLOBAL_BATCH), *extra), out)
             result = {"out": out, "wall_s": wall, **json.loads((out / "losses.json").read_text())}
@@ -203,6 +204,19 @@ def test_two_processes_match_one(runs, engine, task):
     # saved by rank 0 with the weights gathered (ZeRO-3), reloaded here: the single-process run's model
     torch.testing.assert_close(reloaded_outputs(task, multi["out"] / "out"),
                                reloaded_outputs(task, single["out"] / "out"), atol=TOLERANCE, rtol=0)
+
+
+@needs_deepspeed
+def test_lean_generation_under_zero3_matches_one_process_with_generate(runs):
+    """generation_backend="lean" on 2 ZeRO-3 ranks (greedy rollouts whose rows stop at eos at different steps, so a
+    rank that has finished keeps stepping with the other, as generate's synced_gpus) trains as one process with
+    `generate` does."""
+    single, multi = runs.get(None, "ppo"), runs.get("deepspeed_zero3", "ppo", backend="lean")
+    assert multi["world_size"] == 2 and len(multi["loss"]) == STEPS
+    diff = max(abs(a - b) for a, b in zip(multi["loss"], single["loss"]))
+    assert diff <= TOLERANCE, (multi["loss"], single["loss"])
+    norms = [[h["grad_norm"] for h in run["log_history"] if "grad_norm" in h] for run in (multi, single)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-3), norms
 
 
 @pytest.mark.parametrize("engine", [engine_param(e) for e in ("ddp", "deepspeed_zero3")])

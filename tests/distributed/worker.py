@@ -1,7 +1,7 @@
 """One tiny training run for the distributed tests, launched by `torchrun` / `accelerate launch` (or plain python).
 
     python tests/distributed/worker.py --task {sft,sft_lora,reward,dpo,ppo,grpo,rloo,reinforce_pp} --out DIR [--steps 4]
-        [--global_batch 8]
+        [--global_batch 8] [--generation_backend generate]
     python tests/distributed/worker.py --recipe ppo --out DIR <recipe options>   # records who writes what
 
 The same global batch in every launch: each of the W processes takes `global_batch / W` rows per step (the PPO
@@ -99,7 +99,8 @@ def common_args(out: str, steps: int, per_device: int) -> dict:
                 dataloader_num_workers=0)
 
 
-def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path: str | None = None):
+def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path: str | None = None,
+                  generation_backend: str = "generate"):
     from hf_rlhf import (DPOConfig, DPOTrainer, ModelConfig, PPOConfig, PPOTrainer, RewardConfig, RewardTrainer,
                          SFTConfig, SFTTrainer)
     from hf_rlhf.callbacks import PlotCallback, SampleCompletionsCallback
@@ -137,7 +138,8 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
     options = ESTIMATORS.get(task, {})
     args = PPOConfig(**common, learning_rate=3e-3, gradient_accumulation_steps=2, rollout_batch_size=2 * per_device,
                      num_ppo_epochs=1, response_length=6, temperature=1.0, generation_kwargs={"do_sample": False},
-                     kl_coef=0.05, kl_target=0.01, kl_horizon=16, reward_normalization="running", **options)
+                     kl_coef=0.05, kl_target=0.01, kl_horizon=16, reward_normalization="running",
+                     generation_backend=generation_backend, **options)
     if task == "grpo_dynamic":
         args.generation_kwargs = {}  # sampled: groups of equal and of different rewards
     elif options.get("num_generations", 1) > 1:
@@ -173,6 +175,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--global_batch", type=int, default=8)
     parser.add_argument("--policy_path", help="ppo: load the policy from this directory (else the toy model)")
+    parser.add_argument("--generation_backend", default="generate", help="PPO tasks: PPOConfig.generation_backend")
     opts, rest = parser.parse_known_args(argv)
     torch.set_num_threads(1)  # tiny matmuls: a second thread only spin-waits
     writes = record_writes(opts.out)
@@ -185,7 +188,7 @@ def main(argv=None) -> None:
     if opts.global_batch % world:
         raise SystemExit(f"global_batch {opts.global_batch} is not divisible by {world} processes")
     trainer = build_trainer(opts.task, os.path.join(opts.out, "out"), opts.steps, opts.global_batch // world,
-                            opts.policy_path)
+                            opts.policy_path, opts.generation_backend)
     if opts.task == "grpo_dynamic":  # generation rounds of this rank (each rank must run as many as the others)
         trainer.generate_calls, sample = 0, trainer.rollout_maker._sample
 

@@ -1,4 +1,5 @@
-"""PPO with `generation_backend="static"` resumes exactly like the reference runs of test_ppo_trainer.py."""
+"""PPO with `generation_backend="static"` resumes exactly like the reference runs of test_ppo_trainer.py; with "lean"
+it logs exactly what "generate" logs (same seed)."""
 
 import shutil
 
@@ -37,3 +38,21 @@ def test_static_backend_resumes_exactly(tmp_path, tokenizer, prompts):
     assert sorted(logs) == list(range(step + 1, 21)) and len(calls) == 3
     for s, log in logs.items():
         assert log == reference[s], f"step {s}"
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_lean_backend_logs_what_generate_logs(tmp_path, tokenizer, prompts, estimator):
+    """The rollouts sample the same tokens, so every logged metric of every step is equal (PPO and GRPO); a stop
+    token, so rows end at different steps."""
+    logs = {}
+    for backend in ("generate", "lean"):
+        calls = []
+        trainer = _resume_trainer(tmp_path / backend, tokenizer, prompts, calls, estimator, generation_backend=backend)
+        assert trainer.rollout_maker.engine.name == backend
+        trainer.train()
+        logs[backend] = {s: {k: v for k, v in log.items() if k not in ("train_runtime",)}
+                         for s, log in step_logs(trainer).items()}
+        if backend == "lean":
+            assert not calls and trainer.rollout_maker.engine.stats.calls == 5  # generate was never called
+    assert sorted(logs["lean"]) == list(range(1, 21))
+    assert logs["lean"] == logs["generate"]

@@ -65,7 +65,8 @@ def test_an_optimizer_step_is_seen_by_the_next_generation(tokenizer):
 
 
 def test_unknown_backend_and_unsupported_model_are_refused_by_name(tmp_path, tiny_model):
-    with pytest.raises(ValueError, match=r"generation_backend='vllm'; expected one of \['generate', 'static'\]"):
+    expected = r"generation_backend='vllm'; expected one of \['generate', 'static', 'lean'\]"
+    with pytest.raises(ValueError, match=expected):
         PPOConfig(output_dir=str(tmp_path), generation_backend="vllm", report_to="none")
     assert PPOConfig(output_dir=str(tmp_path), generation_backend="static", report_to="none")
     tiny_model._can_compile_fullgraph = False  # as transformers marks a model without static-cache support
@@ -89,3 +90,87 @@ def test_static_cache_on_a_lora_policy_equals_generate(tokenizer):
     assert torch.equal(with_adapter, _generate(build_engine("generate"), model, tokenizer, ids, mask))
     with model.disable_adapter():
         assert not torch.equal(_generate(static, model, tokenizer, ids, mask), with_adapter)  # the adapter is used
+
+
+def _stop_tokens(engine, model, tokenizer, ids, mask, **kw):
+    """Two tokens the reference samples at different steps of different rows: as eos they stop rows unevenly."""
+    torch.manual_seed(11)
+    tokens = _generate(engine, model, tokenizer, ids, mask, max_new_tokens=12, **kw)
+    return [int(tokens[0, 2]), int(tokens[-1, 5])]
+
+
+@pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(do_sample=True, temperature=1.3, top_k=20, top_p=0.9),
+                                      dict(do_sample=True, temperature=0.7, top_k=5), dict(do_sample=True, top_p=0.8)])
+def test_lean_tokens_and_random_stream_equal_generate(tokenizer, tiny_model, sampling):
+    """Greedy and sampled (same seed) tokens, rows stopping at eos at different steps, uneven left padding; the random
+    stream is left where generate leaves it (the next draw is equal too)."""
+    ids, mask = _prompts(tokenizer)
+    reference, lean = build_engine("generate"), build_engine("lean")
+    eos = _stop_tokens(reference, tiny_model, tokenizer, ids, mask, **sampling)
+    for eos_token_id in (None, eos):
+        outputs = []
+        for engine in (reference, lean):
+            torch.manual_seed(7)
+            out = engine.generate(tiny_model, ids, mask, max_new_tokens=12, eos_token_id=eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, **sampling)
+            assert out.logprobs is None
+            outputs.append((out.response_ids, torch.rand(3)))
+        (expected, next_draw), (got, lean_next_draw) = outputs
+        assert torch.equal(got, expected) and torch.equal(lean_next_draw, next_draw)
+        if eos_token_id is not None:  # rows really stopped at different steps, and were padded after eos
+            stopped_at = [next((i for i, t in enumerate(row.tolist()) if t in eos), None) for row in expected]
+            assert len(set(stopped_at)) > 1, stopped_at
+            assert (expected == tokenizer.pad_token_id).any()
+    assert lean.stats.calls == 2
+
+
+def test_lean_stops_when_every_row_has_finished(tokenizer, tiny_model):
+    ids, mask = _prompts(tokenizer)
+    reference = build_engine("generate")
+    first = _generate(reference, tiny_model, tokenizer, ids, mask, max_new_tokens=12)
+    eos = sorted(set(first[:, :4].flatten().tolist()))  # every row emits one of these within 4 steps
+    outs = [engine.generate(tiny_model, ids, mask, max_new_tokens=12, do_sample=False, eos_token_id=eos,
+                            pad_token_id=tokenizer.pad_token_id).response_ids for engine in (reference,
+                                                                                             build_engine("lean"))]
+    assert outs[0].shape[1] < 12 and torch.equal(outs[1], outs[0])
+
+
+def test_lean_on_a_lora_policy_equals_generate(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build_toy_model(tokenizer, "tiny", seed=0),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
+    ids, mask = _prompts(tokenizer)
+    lean = build_engine("lean")
+    lean.check_model(model)  # looks through the peft wrapper
+    sampled = []
+    for engine in (build_engine("generate"), lean):
+        torch.manual_seed(3)
+        sampled.append(_generate(engine, model, tokenizer, ids, mask, do_sample=True, temperature=0.9, top_k=30))
+    assert torch.equal(*sampled)
+    with_adapter = _generate(lean, model, tokenizer, ids, mask)
+    assert torch.equal(with_adapter, _generate(build_engine("generate"), model, tokenizer, ids, mask))
+    with model.disable_adapter():
+        assert not torch.equal(_generate(lean, model, tokenizer, ids, mask), with_adapter)  # the adapter is used
+
+
+def test_lean_refuses_options_it_does_not_implement_by_name(tmp_path, tokenizer, tiny_model):
+    """At config time for generation_kwargs; at the first rollout for the model's generation_config."""
+    for kwargs, name in ((dict(repetition_penalty=1.2), "repetition_penalty"), (dict(num_beams=2), "num_beams"),
+                         (dict(min_new_tokens=3), "min_new_tokens")):
+        with pytest.raises(ValueError, match=rf"generation_backend='lean' does not implement .*{name}.*"
+                                             r"generation_backend='generate'"):
+            PPOConfig(output_dir=str(tmp_path), generation_backend="lean", generation_kwargs=kwargs, report_to="none")
+        PPOConfig(output_dir=str(tmp_path), generation_backend="generate", generation_kwargs=kwargs, report_to="none")
+    ids, mask = _prompts(tokenizer)
+    lean = build_engine("lean")
+    with pytest.raises(ValueError, match=r"does not implement .*num_beams"):
+        _generate(lean, tiny_model, tokenizer, ids, mask, generation_kwargs=dict(num_beams=2))
+    before = tiny_model.generation_config.repetition_penalty
+    tiny_model.generation_config.repetition_penalty = 1.3  # as a hub model's generation_config may set it
+    try:
+        with pytest.raises(ValueError, match=r"RepetitionPenaltyLogitsProcessor.*generation_backend='generate'"):
+            _generate(lean, tiny_model, tokenizer, ids, mask)
+    finally:
+        tiny_model.generation_config.repetition_penalty = before
+    _generate(lean, tiny_model, tokenizer, ids, mask)

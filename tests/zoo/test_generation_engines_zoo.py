@@ -1,4 +1,5 @@
-"""The `static` generation engine gives `generate`'s greedy tokens on every architecture (uneven left padding)."""
+"""The `static` and `lean` engines give `generate`'s greedy tokens on every architecture (uneven left padding), and
+`lean` its sampled tokens for the same seed."""
 
 import pytest
 import torch
@@ -27,6 +28,21 @@ def test_static_cache_greedy_equals_generate(model_type):
     static.check_model(model)  # every zoo architecture is served (a refusal would name it here)
     ids, mask = _left_padded([5, 9, 12, 3])
     assert torch.equal(_greedy(static, model, ids, mask), _greedy(build_engine("generate"), model, ids, mask))
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_lean_greedy_and_sampled_tokens_equal_generate(model_type):
+    model = build(model_type)
+    lean, reference = build_engine("lean"), build_engine("generate")
+    lean.check_model(model)
+    ids, mask = _left_padded([5, 9, 12, 3])
+    assert torch.equal(_greedy(lean, model, ids, mask), _greedy(reference, model, ids, mask))
+    sampled = []
+    for engine in (reference, lean):
+        torch.manual_seed(5)
+        sampled.append(engine.generate(model, ids, mask, max_new_tokens=10, do_sample=True, temperature=1.2, top_k=40,
+                                       top_p=0.95, eos_token_id=None, pad_token_id=PAD_ID).response_ids)
+    assert torch.equal(*sampled)
 
 
 @pytest.mark.slow
