@@ -12,13 +12,14 @@ from .tasks import (
     reward_fn,
     sft_dataset,
 )
-from .tokenizer import build_toy_tokenizer
+from .tokenizer import build_toy_tokenizer, build_toy_tool_tokenizer
 
 __all__ = [
     "answer_for_prompt",
     "build_toy_model",
     "build_toy_reward_model",
     "build_toy_tokenizer",
+    "build_toy_tool_tokenizer",
     "exact_match",
     "is_correct",
     "make_tasks",

@@ -40,13 +40,15 @@ from ..ppo.critic_free import aggregate_loss
 from ..ppo.kl import kl_penalty, sequence_policy_stats
 from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator, validate_prompt_dataset
 from ..ppo.losses import policy_loss_per_token, value_loss
+from ..ppo.multiturn import ToolRollout
 from ..ppo.policy_value import PolicyAndValue, response_logits
-from ..ppo.rollout import KL_METRICS, RolloutMaker
+from ..ppo.rollout import KL_METRICS, RolloutMaker, stop_token_id_of
 from ..ppo.value_adapter import add_value_adapter, resolve_value_adapter
 from ..reward_models import disable_dropout, unwrap_peft
 from ..rewards.factory import build_reward_source
 from ..rewards.model import ModelReward
 from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
+from ..tools import ToolRunner, check_tool_tokenizer, tool_dict
 from .base import BaseTrainer
 
 logger = logging.getLogger("hf_rlhf")
@@ -94,6 +96,12 @@ class PPOTrainer(BaseTrainer):
         data_collator, eval_dataset: trl 1.12's names, taken so its scripts run: prompts are batched and
             left-padded by the rollout itself, so only None or a `DataCollatorWithPadding` (unused) is accepted, and
             there is no evaluation loop (eval_dataset must be None).
+        tools: Python functions the policy may call (TRL 1.16 GRPOTrainer's `tools`: type-hinted, Google-style
+            docstring; sync or async), for every `advantage_estimator`. The prompts (conversational) are rendered
+            with them; the rollout then alternates turns and tool calls (`hf_rlhf.ppo.multiturn`) up to
+            `max_tool_calling_iterations`; tool results are in the context, not in the loss. A call's exception, an
+            unknown tool, a malformed call or a timeout (`tool_call_timeout`) becomes an error message the policy
+            reads. Reward functions receive the completion as its message list (assistant turns and tool messages).
 
     trl 1.12's `trl.experimental.ppo.PPOTrainer` keywords all work (`args`, `processing_class`, `model`,
     `ref_model`, `reward_model`, `train_dataset`, `value_model`, `data_collator`, `eval_dataset`, `optimizers`,
@@ -120,7 +128,7 @@ class PPOTrainer(BaseTrainer):
     def __init__(self, model, reward_model, args: PPOConfig | None = None, train_dataset=None, processing_class=None,
                  value_model=None, ref_model=None, reward_processing_class=None, peft_config=None,
                  model_config: ModelConfig | None = None, ptx_dataset=None, callbacks=None, optimizers=(None, None),
-                 data_collator=None, eval_dataset=None, **kwargs):
+                 data_collator=None, eval_dataset=None, tools=None, **kwargs):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
@@ -140,6 +148,14 @@ class PPOTrainer(BaseTrainer):
                                       "policy (trainer.model.policy) in a callback, e.g. with hf_rlhf.toy.exact_match.")
         # the prompt rows are checked before any model is loaded: a bad row fails in seconds, naming row and field
         train_dataset, conversational = validate_prompt_dataset(as_dataset(train_dataset))
+        tools = list(tools or [])
+        if tools:
+            tool_dict(tools)  # named callables, checked before any model is loaded
+            if not conversational:
+                raise ValueError("tools need conversational prompts (a `prompt` or `messages` list of messages): the "
+                                 "chat template renders the tools, the tool calls and their results")
+            if processing_class is not None and not isinstance(processing_class, str):
+                check_tool_tokenizer(processing_class)
         set_seed(args.seed)  # as the Trainer does, but before the value head (and a value adapter) are initialised
         policy, model_config = resolve_model(model, model_config)
         processing_class = self.resolve_tokenizer(processing_class, policy)
@@ -147,6 +163,11 @@ class PPOTrainer(BaseTrainer):
             processing_class.pad_token = processing_class.eos_token
         if processing_class.pad_token is None:
             raise ValueError("the policy tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
+        if tools:
+            check_tool_tokenizer(processing_class)
+            if stop_token_id_of(args, processing_class) is None:
+                raise ValueError("tools need a stop token that ends the policy's turn: stop_token='eos' (with an eos "
+                                 "token) or stop_token_id")
         policy = self.add_peft(policy, model_config, args, peft_config, prompt_learning=False)
         module, ref_model = self._build_models(policy, value_model, ref_model, args)
 
@@ -160,7 +181,7 @@ class PPOTrainer(BaseTrainer):
                              "none: use 'running' or 'none'.")
         positions = getattr(getattr(module.policy, "config", None), "max_position_embeddings", None)
         train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args, max_positions=positions,
-                                               conversational=conversational)
+                                               conversational=conversational, tools=tools)
         self.ptx_dataset = self._prepare_ptx(ptx_dataset, processing_class, args)
         own = [KLControllerCallback(args.kl_coef, args.kl_target, args.kl_horizon), EpochFromStepCallback()]
         if args.reward_normalization == "running":
@@ -173,8 +194,14 @@ class PPOTrainer(BaseTrainer):
             reward_source.model = self._prepare_frozen(reward_source.model)
         self.reward_source = reward_source
         # through the method, so a subclass's `compute_rewards` and a `reward_source` set later both take effect
+        self.tools = tools
+        tool_rollout = None
+        if tools:
+            runner = ToolRunner(args.tool_max_workers, args.tool_call_timeout)
+            tool_rollout = ToolRollout(processing_class, stop_token_id_of(args, processing_class), args.response_length,
+                                       args.max_tool_calling_iterations, runner)
         self.rollout_maker = RolloutMaker(args, processing_class, self.compute_rewards, self.accelerator, self.ref_model,
-                                          reward_stats)
+                                          reward_stats, tool_rollout, self._row_tools)
         self._loader, self._resume_from = None, None
 
     @staticmethod
@@ -262,6 +289,11 @@ class PPOTrainer(BaseTrainer):
         """
         return self.reward_source(prompts, completions, **columns)
 
+    def _row_tools(self, rows: list[dict]) -> list[dict]:
+        """{name: callable} of the tools each row of a rollout batch may call."""
+        tools = tool_dict(self.tools)
+        return [tools for _ in rows]
+
     def _make_experience(self, rows, indices, refill=None):
         # looked up at each rollout: a checkpoint restore may have replaced these callbacks in the handler
         kl = find_callback(self.callback_handler, KLControllerCallback).controller
@@ -299,8 +331,9 @@ class PPOTrainer(BaseTrainer):
         if args.mask_truncated_completions:  # a minibatch of truncated responses only has no token (as TRL: >= 1)
             normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=mask.device).clamp(min=1.0)
         extra = (inputs["ptx_input_ids"], inputs["ptx_attention_mask"]) if "ptx_input_ids" in inputs else None
-        logits, values, ptx_logits = response_logits(model, exp.query_ids, exp.query_mask, exp.response_ids, mask,
-                                                     args.temperature, extra_rows=extra)
+        # attention over every token the policy saw (a multi-turn response's tool results too); the loss over `mask`
+        logits, values, ptx_logits = response_logits(model, exp.query_ids, exp.query_mask, exp.response_ids,
+                                                     exp.context_mask, args.temperature, extra_rows=extra)
         logprobs = logprobs_from_logits(logits, exp.response_ids)
         # one optimizer step per rollout: this forward runs the rollout's weights, so its detached log-probs are
         # the old ones (the rollout skipped its own policy forward; `PPOConfig.old_logprobs_in_loss`)

@@ -1,0 +1,202 @@
+"""PPOTrainer with tools (issue 21): multi-turn rollouts for PPO with a critic and GRPO, on two architectures; the
+environment's tokens are in the context and out of every loss term; tool failures are messages, not crashes.
+
+The tiny random policies never write a tool call by themselves, so the first turn of every row comes from a
+scripted engine (a `GenerationEngine` whose first turn is a fixed call) and every later turn is sampled by the
+model: the rollout, the tools, the forwards and the losses are the real ones."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from hf_rlhf.generation.engines import GenerateEngine
+from hf_rlhf.ppo.config import PPOConfig
+from hf_rlhf.toy import build_toy_model, build_toy_tool_tokenizer
+from hf_rlhf.tools import tool_suffix_ids
+from hf_rlhf.trainers.ppo import PPOTrainer
+
+pytestmark = pytest.mark.integration
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 40, "b": 2}}</tool_call><|eos|>'
+BROKEN = '<tool_call>{"name": "flaky", "arguments": {"x": 1}}</tool_call><|eos|>'
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer():
+    return build_toy_tool_tokenizer()
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return a + b
+
+
+def flaky(x: int) -> int:
+    """Fails.
+
+    Args:
+        x: anything.
+    """
+    raise RuntimeError("flaky tool failed")
+
+
+class FirstTurnScripted(GenerateEngine):
+    """The first turn of a row (no tool result in its context yet) is `first` (cut to the budget); later turns are
+    sampled by the model. Records every turn it returned, per context."""
+
+    def __init__(self, tokenizer, first=CALL):
+        super().__init__()
+        self.tokenizer, self.first, self.turns = tokenizer, first, []
+        self.first_ids = tokenizer(first, add_special_tokens=False)["input_ids"]
+        self.marker = tokenizer("result:", add_special_tokens=False)["input_ids"]
+
+    def _generate(self, model, query_ids, query_mask, kwargs):
+        rows, sampled = [], []
+        for ids, mask in zip(query_ids, query_mask):
+            context = ids[mask.bool()].tolist()
+            seen = any(context[i:i + len(self.marker)] == self.marker for i in range(len(context)))
+            rows.append(seen)
+        later = [i for i, seen in enumerate(rows) if seen]
+        if later:
+            sampled = super()._generate(model, query_ids[later], query_mask[later], kwargs).tolist()
+        out = []
+        for i, seen in enumerate(rows):
+            out.append(sampled.pop(0) if seen else self.first_ids[:kwargs["max_new_tokens"]])
+        width = max(len(r) for r in out)
+        self.turns.append(out)
+        return torch.tensor([r + [kwargs["pad_token_id"]] * (width - len(r)) for r in out])
+
+
+def prompts_dataset(n=8):
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"{40 + i}+2="}]} for i in range(n)])
+
+
+def seen_rewards(store):
+    def reward(prompts, completions, **kwargs):
+        store.append(completions)
+        return [len(c[-1]["content"]) / 10 + 0.1 * i for i, c in enumerate(completions)]
+    return reward
+
+
+def qwen2_policy(tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+POLICIES = {"llama": lambda tok: build_toy_model(tok, seed=0), "qwen2": qwen2_policy}
+ESTIMATORS = {"gae": dict(num_generations=1), "grpo": dict(num_generations=4, kl_in_loss=True)}
+
+
+def make_trainer(tmp_path, tokenizer, estimator="grpo", arch="llama", tools=(add, flaky), first=CALL, store=None,
+                 **kw):
+    defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                    rollout_batch_size=8, num_ppo_epochs=1, response_length=100, max_steps=2, logging_steps=1,
+                    save_strategy="no", report_to="none", learning_rate=3e-3, seed=0, disable_tqdm=True,
+                    temperature=1.0, advantage_estimator=estimator, max_tool_calling_iterations=2,
+                    tool_call_timeout=5.0, **ESTIMATORS[estimator])
+    defaults.update(kw)
+    trainer = PPOTrainer(POLICIES[arch](tokenizer), seen_rewards(store if store is not None else []),
+                         args=PPOConfig(**defaults), train_dataset=prompts_dataset(), processing_class=tokenizer,
+                         tools=list(tools))
+    trainer.rollout_maker.engine = FirstTurnScripted(tokenizer, first)
+    return trainer
+
+
+@pytest.mark.parametrize("arch", list(POLICIES))
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_tool_rollout_trains_and_keeps_the_ids_the_policy_saw(tmp_path, tool_tokenizer, estimator, arch):
+    store = []
+    trainer = make_trainer(tmp_path, tool_tokenizer, estimator, arch, store=store)
+    rows = [trainer.train_dataset[i] for i in range(8)]
+    experience, stats = trainer._make_experience(rows, list(range(8)))
+    engine = trainer.rollout_maker.engine
+    first = engine.first_ids
+    suffix = tool_suffix_ids(tool_tokenizer, [{"role": "tool", "name": "add", "content": "42"}])
+    second = iter(engine.turns[1])  # the rows' sampled second turns, in row order
+    for i in range(8):
+        turn = next(second)
+        eos = tool_tokenizer.eos_token_id
+        turn = turn[:turn.index(eos) + 1] if eos in turn else turn[:100 - len(first) - len(suffix)]
+        expected = first + suffix + turn
+        context = experience.context_mask[i].bool()
+        # (a) the trained sequence is the generated ids with the tool tokens appended, no re-tokenization
+        assert experience.response_ids[i][context].tolist() == expected
+        assert experience.response_mask[i][context].tolist() == [1] * len(first) + [0] * len(suffix) + [1] * len(turn)
+        assert store[0][i][1] == {"role": "tool", "name": "add", "content": "42"}
+    assert stats["tools/call_frequency"] >= 1.0 and stats["tools/failure_frequency"] == 0.0
+    env = experience.context_mask.bool() & ~experience.response_mask.bool()
+    for name in ("old_logprobs", "ref_logprobs", "advantages", "returns", "rewards", "old_values"):
+        assert getattr(experience, name)[env].abs().sum() == 0, name  # nothing of the environment in the targets
+
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    assert all(h["tools/call_frequency"] >= 1.0 for h in logs)
+
+
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_environment_tokens_do_not_reach_the_loss(tmp_path, tool_tokenizer, estimator):
+    trainer = make_trainer(tmp_path, tool_tokenizer, estimator, entropy_coef=0.01)
+    trainer.current_gradient_accumulation_steps = 1
+    rows = [trainer.train_dataset[i] for i in range(8)]
+    experience, stats = trainer._make_experience(rows, list(range(8)))
+    env = experience.context_mask.bool() & ~experience.response_mask.bool()
+    assert env.sum() > 0
+
+    def loss_of(exp):
+        trainer.model.train()
+        torch.manual_seed(0)
+        return trainer.compute_loss(trainer.model, {**exp.to_dict(), "rollout_stats": stats})
+
+    clean = loss_of(experience)
+    for garbage in (1e4, float("nan")):  # (b) garbage at every environment position: the same loss, bit for bit
+        dirty = experience.select(list(range(8)))
+        for name in ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns", "rewards"):
+            getattr(dirty, name)[env] = garbage
+        assert torch.equal(loss_of(dirty), clean)
+    # the same garbage on one policy token changes it (the check can fail)
+    dirty = experience.select(list(range(8)))
+    dirty.old_logprobs[experience.response_mask.bool().nonzero()[0].tolist()[0], 0] = 5.0
+    assert not torch.equal(loss_of(dirty), clean)
+
+
+def test_a_failing_tool_is_a_message_and_the_run_goes_on(tmp_path, tool_tokenizer):
+    store = []
+    trainer = make_trainer(tmp_path, tool_tokenizer, "grpo", first=BROKEN, store=store, max_steps=1,
+                           response_length=150)
+    trainer.train()
+    tool_messages = [c[1] for c in store[0]]
+    assert all(m["role"] == "tool" and "flaky tool failed" in m["content"] for m in tool_messages)
+    log = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert log["tools/failure_frequency"] == 1.0 and math.isfinite(log["loss"])
+
+
+def test_tool_options_are_checked_before_the_model_loads(tmp_path, tool_tokenizer, tokenizer):
+    args = PPOConfig(output_dir=str(tmp_path), report_to="none", response_length=8)
+    text_prompts = Dataset.from_list([{"prompt": "1+1="}] * 4)
+    with pytest.raises(ValueError, match="conversational prompts"):
+        PPOTrainer("no/such/model", lambda p, c, **k: [0.0] * len(c), args=args, train_dataset=text_prompts,
+                   processing_class=tool_tokenizer, tools=[add])
+    with pytest.raises(ValueError, match="drops the tool call"):
+        PPOTrainer("no/such/model", lambda p, c, **k: [0.0] * len(c), args=args, train_dataset=prompts_dataset(),
+                   processing_class=tokenizer, tools=[add])
