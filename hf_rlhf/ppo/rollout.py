@@ -55,8 +55,10 @@ class RolloutMaker:
         ref_model: a frozen reference model; None when the policy is a `PeftModel` (reference = adapters off).
         reward_stats: {"reward_mean", "reward_std"} for `reward_normalization="model_stats"`.
         tool_rollout: a `ToolRollout` for multi-turn rollouts with tools; None: one turn.
-        row_tools: `rows -> [{name: callable}, ...]`, the tools of each row of a rollout batch (one environment
-            instance per row); required with `tool_rollout`.
+        row_tools: `rows -> (rows, [{name: callable}, ...], extra reward fields)`: the rows of a generation round
+            (a prompt may change, e.g. by an environment's `reset` observation, with its `input_ids`), the tools of
+            each (one environment instance per row) and fields passed to `compute_rewards` (`environments`);
+            required with `tool_rollout`.
     """
 
     def __init__(self, args, tokenizer, compute_rewards, accelerator, ref_model=None, reward_stats=None,
@@ -135,6 +137,8 @@ class RolloutMaker:
         round; `context_mask` differs from `response_mask` (the loss mask) only on the environment's tokens of a
         multi-turn rollout."""
         device = self.accelerator.device
+        if self.tool_rollout is not None:
+            rows, tool_sets, extra_fields = self.row_tools(rows)
         # step 1. left-padded prompts (the last column is every row's last prompt token)
         batch = self.collator(rows)
         query_ids, query_mask = batch.pop("input_ids").to(device), batch.pop("attention_mask").to(device)
@@ -143,7 +147,8 @@ class RolloutMaker:
 
         if self.tool_rollout is not None:  # steps 2-3 over several turns: generate, call tools, append, repeat
             with self._generator(model.policy) as generate:
-                turns = self.tool_rollout.run(generate, query_ids, query_mask, self.row_tools(rows))
+                turns = self.tool_rollout.run(generate, query_ids, query_mask, tool_sets)
+            batch.update(extra_fields)
             response_ids, response_mask, stopped = turns.response_ids, turns.loss_mask, turns.stopped
             context_mask, completions = turns.context_mask, turns.completions
             self._tool_counts = [self._tool_counts[0] + sum(turns.tool_calls),

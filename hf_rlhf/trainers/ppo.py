@@ -48,7 +48,9 @@ from ..reward_models import disable_dropout, unwrap_peft
 from ..rewards.factory import build_reward_source
 from ..rewards.model import ModelReward
 from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
+from ..rewards.base import FunctionReward
 from ..tools import ToolRunner, check_tool_tokenizer, tool_dict
+from ..tools.environments import EnvironmentPool
 from .base import BaseTrainer
 
 logger = logging.getLogger("hf_rlhf")
@@ -102,6 +104,10 @@ class PPOTrainer(BaseTrainer):
             `max_tool_calling_iterations`; tool results are in the context, not in the loss. A call's exception, an
             unknown tool, a malformed call or a timeout (`tool_call_timeout`) becomes an error message the policy
             reads. Reward functions receive the completion as its message list (assistant turns and tool messages).
+        environment_factory: TRL 1.16's: a no-argument callable returning an environment with `reset(**row)`
+            (returning None or a string appended to the row's last user message), public methods that are its tools,
+            and optionally `get_reward()`, a score added to `reward_model`'s (which may then be None). One instance
+            per rollout row, pooled and reset per rollout; reward functions receive them as `environments=`.
 
     trl 1.12's `trl.experimental.ppo.PPOTrainer` keywords all work (`args`, `processing_class`, `model`,
     `ref_model`, `reward_model`, `train_dataset`, `value_model`, `data_collator`, `eval_dataset`, `optimizers`,
@@ -128,7 +134,7 @@ class PPOTrainer(BaseTrainer):
     def __init__(self, model, reward_model, args: PPOConfig | None = None, train_dataset=None, processing_class=None,
                  value_model=None, ref_model=None, reward_processing_class=None, peft_config=None,
                  model_config: ModelConfig | None = None, ptx_dataset=None, callbacks=None, optimizers=(None, None),
-                 data_collator=None, eval_dataset=None, tools=None, **kwargs):
+                 data_collator=None, eval_dataset=None, tools=None, environment_factory=None, **kwargs):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
@@ -149,8 +155,15 @@ class PPOTrainer(BaseTrainer):
         # the prompt rows are checked before any model is loaded: a bad row fails in seconds, naming row and field
         train_dataset, conversational = validate_prompt_dataset(as_dataset(train_dataset))
         tools = list(tools or [])
-        if tools:
-            tool_dict(tools)  # named callables, checked before any model is loaded
+        tool_dict(tools)  # named callables, checked before any model is loaded
+        self.environment_pool = None
+        if environment_factory is not None:  # probes one environment: its tools are rendered into the prompts
+            self.environment_pool = EnvironmentPool(environment_factory, tools)
+            tools = self.environment_pool.template_tools
+        if reward_model is None and not (self.environment_pool is not None and self.environment_pool.has_reward):
+            raise ValueError("reward_model is None: pass a reward function, model or endpoint, or an "
+                             "environment_factory whose environment defines get_reward()")
+        if tools or environment_factory is not None:
             if not conversational:
                 raise ValueError("tools need conversational prompts (a `prompt` or `messages` list of messages): the "
                                  "chat template renders the tools, the tool calls and their results")
@@ -171,9 +184,9 @@ class PPOTrainer(BaseTrainer):
         policy = self.add_peft(policy, model_config, args, peft_config, prompt_learning=False)
         module, ref_model = self._build_models(policy, value_model, ref_model, args)
 
-        reward_source = build_reward_source(reward_model, reward_processing_class, device=args.device,
-                                            batch_size=args.local_rollout_forward_batch_size,
-                                            policy=module.policy, policy_tokenizer=processing_class)
+        reward_source = None if reward_model is None else build_reward_source(
+            reward_model, reward_processing_class, device=args.device, batch_size=args.local_rollout_forward_batch_size,
+            policy=module.policy, policy_tokenizer=processing_class)
         reward_stats = getattr(reward_source, "reward_stats", None)
         if args.reward_normalization == "model_stats" and reward_stats is None:
             raise ValueError("reward_normalization='model_stats' needs reward_mean / reward_std in the reward model's "
@@ -196,7 +209,7 @@ class PPOTrainer(BaseTrainer):
         # through the method, so a subclass's `compute_rewards` and a `reward_source` set later both take effect
         self.tools = tools
         tool_rollout = None
-        if tools:
+        if tools or self.environment_pool is not None:
             runner = ToolRunner(args.tool_max_workers, args.tool_call_timeout)
             tool_rollout = ToolRollout(processing_class, stop_token_id_of(args, processing_class), args.response_length,
                                        args.max_tool_calling_iterations, runner)
@@ -287,18 +300,41 @@ class PPOTrainer(BaseTrainer):
             (B,) scores (a tensor or a list of numbers; checked finite, one per completion), before
             `reward_normalization`, the missing-stop penalty and the KL penalty.
         """
-        return self.reward_source(prompts, completions, **columns)
+        environments = columns.pop("environments", None)
+        if self.reward_source is None:
+            scores = torch.zeros(len(completions))
+        else:
+            if environments is not None and isinstance(self.reward_source, FunctionReward):
+                columns["environments"] = environments  # as TRL passes them to reward functions
+            scores = torch.as_tensor(self.reward_source(prompts, completions, **columns), dtype=torch.float32)
+        if environments is not None and self.environment_pool.has_reward:  # TRL: weight 1, alongside the others
+            scores = scores + torch.tensor([float(env.get_reward()) for env in environments])
+        return scores
 
-    def _row_tools(self, rows: list[dict]) -> list[dict]:
-        """{name: callable} of the tools each row of a rollout batch may call."""
-        tools = tool_dict(self.tools)
-        return [tools for _ in rows]
+    def _row_tools(self, rows: list[dict]) -> tuple[list[dict], list[dict], dict]:
+        """(rows, {name: callable} per row, extra reward fields) for one generation round of a rollout with tools."""
+        if self.environment_pool is None:
+            tools = tool_dict(self.tools)
+            return rows, [tools for _ in rows], {}
+        instances, tool_sets, observations = self.environment_pool.take(rows)
+        out = []
+        for row, observation in zip(rows, observations):
+            if observation is not None:  # TRL: the observation ends the last user message
+                prompt = list(row["prompt"])
+                prompt[-1] = {**prompt[-1], "content": prompt[-1]["content"] + str(observation)}
+                ids = self.processing_class.apply_chat_template(prompt, tools=self.tools or None, tokenize=True,
+                                                                add_generation_prompt=True, return_dict=True)
+                row = {**row, "prompt": prompt, "input_ids": list(ids["input_ids"])}
+            out.append(row)
+        return out, tool_sets, {"environments": instances}
 
     def _make_experience(self, rows, indices, refill=None):
         # looked up at each rollout: a checkpoint restore may have replaced these callbacks in the handler
         kl = find_callback(self.callback_handler, KLControllerCallback).controller
         stats_cb = find_callback(self.callback_handler, RewardStatsCallback)
         model = self.accelerator.unwrap_model(self.model_wrapped)
+        if self.environment_pool is not None:
+            self.environment_pool.new_rollout()
         experience, stats = self.rollout_maker.make(model, rows, kl.value, stats_cb and stats_cb.moments, indices,
                                                     refill)
         if "objective/kl" in stats:  # absent with old_logprobs_in_loss, whose β is fixed (nothing to update)

@@ -200,3 +200,78 @@ def test_tool_options_are_checked_before_the_model_loads(tmp_path, tool_tokenize
     with pytest.raises(ValueError, match="drops the tool call"):
         PPOTrainer("no/such/model", lambda p, c, **k: [0.0] * len(c), args=args, train_dataset=prompts_dataset(),
                    processing_class=tokenizer, tools=[add])
+
+
+class Counter:
+    """An environment: a counter per rollout row, its `add` the row's tool, its value the reward."""
+
+    created = []
+
+    def __init__(self):
+        self.total, self.resets = 0, 0
+        Counter.created.append(self)
+
+    def reset(self, prompt=None, **row):
+        self.total, self.resets = 0, self.resets + 1
+        return " go"
+
+    def add(self, a: int, b: int) -> int:
+        """Add to the counter.
+
+        Args:
+            a: the first.
+            b: the second.
+        """
+        self.total += a + b
+        return self.total
+
+    def get_reward(self) -> float:
+        return float(self.total)
+
+
+def test_environment_factory_isolates_rows_and_rewards_them(tmp_path, tool_tokenizer):
+    Counter.created = []
+    store = []
+
+    def reward(prompts, completions, environments, **kwargs):
+        store.append((prompts, completions, environments))
+        return [0.5] * len(completions)
+
+    args = PPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, rollout_batch_size=8,
+                     num_ppo_epochs=1, response_length=100, max_steps=2, logging_steps=1, save_strategy="no",
+                     report_to="none", seed=0, disable_tqdm=True, advantage_estimator="grpo", num_generations=4,
+                     max_tool_calling_iterations=1)
+    trainer = PPOTrainer(build_toy_model(tool_tokenizer), reward, args=args, train_dataset=prompts_dataset(),
+                         processing_class=tool_tokenizer, environment_factory=Counter)
+    assert "tools: add" in tool_tokenizer.decode(trainer.train_dataset[0]["input_ids"])  # the env's tools rendered
+    trainer.rollout_maker.engine = FirstTurnScripted(tool_tokenizer)
+    rows = [trainer.train_dataset[i] for i in range(8)]
+    trainer.environment_pool.new_rollout()
+    experience, stats = trainer.rollout_maker.make(trainer.model, rows, 0.0)
+    prompts, completions, environments = store[-1]
+    assert len({id(env) for env in environments}) == 8  # one instance per row
+    assert all(env.total == 42 and env.resets == 1 for env in environments)  # each row's call on its own state
+    assert all(p[-1]["content"].endswith("go") for p in prompts)  # reset's observation ends the user message
+    assert all(c[1]["content"] == "42" for c in completions)
+    assert torch.allclose(experience.scores, torch.full((8,), 42.5))  # get_reward + the reward function
+    assert tool_tokenizer.decode(experience.query_ids[0][experience.query_mask[0].bool()]).endswith("= go<|assistant|>")
+
+    trainer.train()  # one more rollout (2 optimizer steps) reuses the pool: no new instance, each reset once more
+    assert len(Counter.created) == 8 and all(env.resets == 2 for env in Counter.created)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+
+
+def test_environment_reward_alone(tmp_path, tool_tokenizer):
+    args = PPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, rollout_batch_size=8,
+                     num_ppo_epochs=1, response_length=100, max_steps=1, report_to="none", save_strategy="no",
+                     disable_tqdm=True, advantage_estimator="grpo", num_generations=4)
+    with pytest.raises(ValueError, match="reward_model is None"):
+        PPOTrainer(build_toy_model(tool_tokenizer), None, args=args, train_dataset=prompts_dataset(),
+                   processing_class=tool_tokenizer, tools=[add])
+    trainer = PPOTrainer(build_toy_model(tool_tokenizer), None, args=args, train_dataset=prompts_dataset(),
+                         processing_class=tool_tokenizer, environment_factory=Counter)
+    trainer.rollout_maker.engine = FirstTurnScripted(tool_tokenizer)
+    trainer.environment_pool.new_rollout()
+    experience, _ = trainer.rollout_maker.make(trainer.model, [trainer.train_dataset[i] for i in range(8)], 0.0)
+    assert torch.equal(experience.scores, torch.full((8,), 42.0))
