@@ -140,3 +140,55 @@ class ToolRollout:
             messages[i] += tool_messages
             going_on.append(i)
         return sorted(going_on)
+
+
+ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+def rollout_func_sample(output: dict, rows: int, tokenizer, stop_token_id: int | None, conversational: bool,
+                        device) -> tuple[torch.Tensor, torch.Tensor, MultiTurnSample, dict]:
+    """What a TRL-style `rollout_func` returned, as the rollout's tensors.
+
+    Args:
+        output: {"prompt_ids": B lists, "completion_ids": B lists, "logprobs": B lists (not used: the rollout's own
+            forward computes the old log-probs), "env_mask"?: B lists of 0/1 (1: the policy's token, 0: the
+            environment's; TRL's name), any other key: a field passed to the reward (a list of B values, or one
+            value for every row)}.
+        rows: B, the completions the rollout expects (one per prompt row given to the function).
+
+    Returns:
+        (query_ids (B, Q) left-padded, query_mask (B, Q), the sample, extra reward fields).
+
+    Raises:
+        ValueError: a required key is missing, or a list does not have B rows / an env_mask row does not match its
+            completion.
+    """
+    missing = [key for key in ROLLOUT_FUNC_KEYS if key not in output]
+    if missing:
+        raise ValueError(f"rollout_func must return keys {missing} in its output dict")
+    prompt_ids, completion_ids = [list(p) for p in output["prompt_ids"]], [list(c) for c in output["completion_ids"]]
+    if len(prompt_ids) != rows or len(completion_ids) != rows:
+        raise ValueError(f"rollout_func returned {len(prompt_ids)} prompt_ids and {len(completion_ids)} "
+                         f"completion_ids for {rows} rollout rows (one completion per row, num_generations included)")
+    if any(not p for p in prompt_ids) or any(not c for c in completion_ids):
+        raise ValueError("rollout_func returned an empty prompt or completion")
+    env_mask = output.get("env_mask")
+    flags = [list(m) for m in env_mask] if env_mask is not None else [[1] * len(c) for c in completion_ids]
+    if len(flags) != rows:
+        raise ValueError(f"rollout_func returned {len(flags)} env_mask rows for {rows} completions")
+    query_ids, query_mask = _left_pad(prompt_ids, tokenizer.pad_token_id, device)
+    response_ids, loss_mask, context_mask = pack_turns(completion_ids, flags, tokenizer.pad_token_id, device=device)
+    if (loss_mask.sum(1) == 0).any():
+        raise ValueError("rollout_func returned a completion whose env_mask marks no token as the policy's")
+    last_policy = [max(i for i, f in enumerate(row) if f) for row in flags]
+    stopped = torch.tensor([stop_token_id is not None and c[i] == stop_token_id
+                            for c, i in zip(completion_ids, last_policy)], device=device)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+    extra = {key: value for key, value in output.items() if key not in ROLLOUT_FUNC_KEYS + ("env_mask",)}
+    for key, value in list(extra.items()):
+        if not isinstance(value, list):
+            extra[key] = [value] * rows
+        elif len(value) != rows:
+            raise ValueError(f"rollout_func's extra field {key!r} has {len(value)} values for {rows} completions")
+    return query_ids, query_mask, MultiTurnSample(response_ids, loss_mask, context_mask, stopped, completions), extra

@@ -23,7 +23,7 @@ from .critic_free import informative_groups, truncated_loss_mask
 from .estimators import estimate_advantages
 from .experience import Experience
 from .kl import kl_penalty, sequence_policy_stats
-from .multiturn import ToolRollout
+from .multiturn import ToolRollout, rollout_func_sample
 from .policy_value import response_logits
 
 logger = logging.getLogger("hf_rlhf")
@@ -59,10 +59,12 @@ class RolloutMaker:
             (a prompt may change, e.g. by an environment's `reset` observation, with its `input_ids`), the tools of
             each (one environment instance per row) and fields passed to `compute_rewards` (`environments`);
             required with `tool_rollout`.
+        rollout_func: `prompts -> dict`, TRL's `rollout_func` bound to the trainer: replaces steps 1-3 (see
+            `hf_rlhf.ppo.multiturn.rollout_func_sample` for what it returns).
     """
 
     def __init__(self, args, tokenizer, compute_rewards, accelerator, ref_model=None, reward_stats=None,
-                 tool_rollout: ToolRollout | None = None, row_tools=None):
+                 tool_rollout: ToolRollout | None = None, row_tools=None, rollout_func=None):
         self.args, self.tokenizer, self.compute_rewards = args, tokenizer, compute_rewards
         self.accelerator, self.ref_model, self.reward_stats = accelerator, ref_model, reward_stats
         self.collator = LeftPaddingCollator(tokenizer.pad_token_id)
@@ -71,7 +73,7 @@ class RolloutMaker:
         # `PPOConfig.generation_backend`; reads the live policy module, so no `sync_weights` after optimizer steps
         self.engine = build_engine(args.generation_backend)
         self._engine_checked = False
-        self.tool_rollout, self.row_tools = tool_rollout, row_tools
+        self.tool_rollout, self.row_tools, self.rollout_func = tool_rollout, row_tools, rollout_func
         self._tool_counts = [0, 0, 0]  # calls, failures, completions of this rollout (every generation round)
 
     @torch.no_grad()
@@ -108,7 +110,7 @@ class RolloutMaker:
         model.eval()
         old_logprobs, old_values, ref_logprobs = self._forward(model, query_ids, query_mask, response_ids,
                                                                context_mask, policy=not args.old_logprobs_in_loss)
-        if self.tool_rollout is not None:  # the environment's tokens: attended to, never read as the policy's
+        if self.tool_rollout is not None or self.rollout_func is not None:  # environment tokens: never the policy's
             keep = response_mask.bool()
             old_logprobs, old_values, ref_logprobs = (torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
                                                       for t in (old_logprobs, old_values, ref_logprobs))
@@ -145,7 +147,14 @@ class RolloutMaker:
         batch.pop("position_ids")  # every forward below builds its own from the masks (`sequence_inputs`)
         prompts = batch.pop("prompt")
 
-        if self.tool_rollout is not None:  # steps 2-3 over several turns: generate, call tools, append, repeat
+        if self.rollout_func is not None:  # steps 1-3 are the user's (TRL's rollout_func); the ids are trained as given
+            conversational = isinstance(prompts[0], list)
+            query_ids, query_mask, turns, extra_fields = rollout_func_sample(
+                self.rollout_func(list(prompts)), len(rows), self.tokenizer, self.stop_token_id, conversational, device)
+            response_ids, response_mask, stopped = turns.response_ids, turns.loss_mask, turns.stopped
+            context_mask, completions = turns.context_mask, turns.completions
+            batch.update(extra_fields)
+        elif self.tool_rollout is not None:  # steps 2-3 over several turns: generate, call tools, append, repeat
             with self._generator(model.policy) as generate:
                 turns = self.tool_rollout.run(generate, query_ids, query_mask, tool_sets)
             batch.update(extra_fields)

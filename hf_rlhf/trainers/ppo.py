@@ -108,6 +108,12 @@ class PPOTrainer(BaseTrainer):
             (returning None or a string appended to the row's last user message), public methods that are its tools,
             and optionally `get_reward()`, a score added to `reward_model`'s (which may then be None). One instance
             per rollout row, pooled and reset per rollout; reward functions receive them as `environments=`.
+        rollout_func: TRL 1.16's `(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", "env_mask"?,
+            ...}`: generates the rollout itself. It gets one prompt per rollout row (G copies of a prompt for the
+            group estimators, where TRL hands over each prompt once) and returns one completion per row; `env_mask`
+            (0 on tokens the policy did not generate) keeps those out of the loss; other keys reach the reward as
+            columns; `logprobs` are not used (the rollout's own forward computes the old log-probs). Not combined
+            with `tools` / `environment_factory`.
 
     trl 1.12's `trl.experimental.ppo.PPOTrainer` keywords all work (`args`, `processing_class`, `model`,
     `ref_model`, `reward_model`, `train_dataset`, `value_model`, `data_collator`, `eval_dataset`, `optimizers`,
@@ -134,7 +140,8 @@ class PPOTrainer(BaseTrainer):
     def __init__(self, model, reward_model, args: PPOConfig | None = None, train_dataset=None, processing_class=None,
                  value_model=None, ref_model=None, reward_processing_class=None, peft_config=None,
                  model_config: ModelConfig | None = None, ptx_dataset=None, callbacks=None, optimizers=(None, None),
-                 data_collator=None, eval_dataset=None, tools=None, environment_factory=None, **kwargs):
+                 data_collator=None, eval_dataset=None, tools=None, environment_factory=None, rollout_func=None,
+                 **kwargs):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
@@ -156,6 +163,11 @@ class PPOTrainer(BaseTrainer):
         train_dataset, conversational = validate_prompt_dataset(as_dataset(train_dataset))
         tools = list(tools or [])
         tool_dict(tools)  # named callables, checked before any model is loaded
+        if rollout_func is not None and (tools or environment_factory is not None):
+            raise ValueError("rollout_func generates the rollout itself: it is not combined with tools or "
+                             "environment_factory (run the tools inside it and mark their tokens with env_mask)")
+        if rollout_func is not None and not callable(rollout_func):
+            raise ValueError(f"rollout_func must be a callable (prompts, trainer) -> dict, got {rollout_func!r}")
         self.environment_pool = None
         if environment_factory is not None:  # probes one environment: its tools are rendered into the prompts
             self.environment_pool = EnvironmentPool(environment_factory, tools)
@@ -214,7 +226,8 @@ class PPOTrainer(BaseTrainer):
             tool_rollout = ToolRollout(processing_class, stop_token_id_of(args, processing_class), args.response_length,
                                        args.max_tool_calling_iterations, runner)
         self.rollout_maker = RolloutMaker(args, processing_class, self.compute_rewards, self.accelerator, self.ref_model,
-                                          reward_stats, tool_rollout, self._row_tools)
+                                          reward_stats, tool_rollout, self._row_tools,
+                                          None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
         self._loader, self._resume_from = None, None
 
     @staticmethod

@@ -341,3 +341,45 @@ def test_multi_turn_run_resumes_exactly(tmp_path, tool_tokenizer, estimator):
         # the calls the uninterrupted run made (the same sampled ids: deterministic replay)
         assert sorted(calls) == replayed
         assert max((v - final[k]).abs().max().item() for k, v in resumed.model.state_dict().items()) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# rollout_func (TRL's signature): the user's own rollout, its environment tokens out of the loss
+
+
+def test_rollout_func_trains_on_its_ids_with_env_mask(tmp_path, tool_tokenizer):
+    seen, fields = [], []
+
+    def rollout_func(prompts, trainer):
+        assert isinstance(trainer, PPOTrainer)
+        seen.append(prompts)
+        tok = trainer.processing_class
+        prompt_ids = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) for p in prompts]
+        policy, env = tok("12", add_special_tokens=False)["input_ids"], tok("<|user|>ok<|assistant|>",
+                                                                            add_special_tokens=False)["input_ids"]
+        last = tok("3<|eos|>", add_special_tokens=False)["input_ids"]
+        completion = policy + env + last
+        mask = [1] * len(policy) + [0] * len(env) + [1] * len(last)
+        return {"prompt_ids": prompt_ids, "completion_ids": [completion] * len(prompts),
+                "logprobs": [[0.0] * len(completion)] * len(prompts), "env_mask": [mask] * len(prompts),
+                "turns": [2] * len(prompts)}
+
+    def reward(prompts, completions, turns, **kwargs):
+        fields.append(turns)
+        return [float(i % 2) for i in range(len(completions))]
+
+    args = PPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, rollout_batch_size=8,
+                     num_ppo_epochs=1, response_length=16, max_steps=2, logging_steps=1, save_strategy="no",
+                     report_to="none", seed=0, disable_tqdm=True, advantage_estimator="grpo", num_generations=4)
+    with pytest.raises(ValueError, match="not combined with tools"):
+        PPOTrainer("no/such/model", reward, args=args, train_dataset=prompts_dataset(), tools=[add],
+                   rollout_func=rollout_func)
+    trainer = PPOTrainer(build_toy_model(tool_tokenizer), reward, args=args, train_dataset=prompts_dataset(),
+                         processing_class=tool_tokenizer, rollout_func=rollout_func)
+    experience, _ = trainer.rollout_maker.make(trainer.model, [trainer.train_dataset[i] for i in range(8)], 0.0)
+    assert len(seen[0]) == 8 and fields[0] == [2] * 8
+    assert experience.response_mask[0].tolist() == [1, 1] + [0] * 4 + [1, 1]  # "<|user|>ok<|assistant|>": 4 ids
+    assert experience.context_mask[0].sum() == 8 and experience.old_logprobs[0, 2:6].abs().sum() == 0
+    assert experience.scores.tolist() == [0.0, 1.0] * 4
+    trainer.train()
+    assert len([h for h in trainer.state.log_history if "loss" in h]) == 2

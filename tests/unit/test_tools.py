@@ -221,3 +221,27 @@ def test_loop_limits_and_budget(tool_tokenizer):
     # a turn cut by the budget did not stop
     out, _ = run_loop(tool_tokenizer, ["a"], [["123456<|eos|>"]], [add], budget=3)
     assert out.stopped.tolist() == [False] and out.loss_mask.sum() == 3
+
+
+# -- rollout_func output -----------------------------------------------------------------------------
+def test_rollout_func_output_becomes_the_rollout(tool_tokenizer):
+    from hf_rlhf.ppo.multiturn import rollout_func_sample
+
+    eos = tool_tokenizer.eos_token_id
+    output = {"prompt_ids": [[1, 5, 6], [1, 7]], "completion_ids": [[8, 9, 10, eos], [11, 12]],
+              "logprobs": [[0.0] * 4, [0.0] * 2], "env_mask": [[1, 0, 0, 1], [1, 1]], "tag": ["a", "b"], "k": 3}
+    query_ids, query_mask, sample, extra = rollout_func_sample(output, 2, tool_tokenizer, eos, True, "cpu")
+    pad = tool_tokenizer.pad_token_id
+    assert query_ids.tolist() == [[1, 5, 6], [pad, 1, 7]] and query_mask.tolist() == [[1, 1, 1], [0, 1, 1]]
+    assert sample.response_ids.tolist() == [[8, 9, 10, eos], [11, 12, pad, pad]]
+    assert sample.loss_mask.tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]
+    assert sample.context_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert sample.stopped.tolist() == [True, False]
+    assert extra == {"tag": ["a", "b"], "k": [3, 3]}
+    assert sample.completions[0][0]["role"] == "assistant"
+    with pytest.raises(ValueError, match="must return keys"):
+        rollout_func_sample({"prompt_ids": [[1]]}, 1, tool_tokenizer, eos, True, "cpu")
+    with pytest.raises(ValueError, match="for 3 rollout rows"):
+        rollout_func_sample(output, 3, tool_tokenizer, eos, True, "cpu")
+    with pytest.raises(ValueError, match="flags"):
+        rollout_func_sample({**output, "env_mask": [[1], [1, 1]]}, 2, tool_tokenizer, eos, True, "cpu")
