@@ -11,7 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from hf_rlhf.generation.engines import GenerateEngine
+from hf_rlhf.generation.engines import GenerateEngine, GenerationEngine
 from hf_rlhf.ppo.config import PPOConfig
 from hf_rlhf.toy import build_toy_model, build_toy_tool_tokenizer
 from hf_rlhf.tools import tool_suffix_ids
@@ -52,13 +52,14 @@ def flaky(x: int) -> int:
     raise RuntimeError("flaky tool failed")
 
 
-class FirstTurnScripted(GenerateEngine):
+class FirstTurnScripted(GenerationEngine):
     """The first turn of a row (no tool result in its context yet) is `first` (cut to the budget); later turns are
-    sampled by the model. Records every turn it returned, per context."""
+    sampled by the model through the `inner` engine (default `generate`). Records every turn it returned."""
 
-    def __init__(self, tokenizer, first=CALL):
+    def __init__(self, tokenizer, first=CALL, inner=None):
         super().__init__()
         self.tokenizer, self.first, self.turns = tokenizer, first, []
+        self.inner = inner or GenerateEngine()
         self.first_ids = tokenizer(first, add_special_tokens=False)["input_ids"]
         self.marker = tokenizer("result:", add_special_tokens=False)["input_ids"]
 
@@ -70,7 +71,7 @@ class FirstTurnScripted(GenerateEngine):
             rows.append(seen)
         later = [i for i, seen in enumerate(rows) if seen]
         if later:
-            sampled = super()._generate(model, query_ids[later], query_mask[later], kwargs).tolist()
+            sampled = self.inner._generate(model, query_ids[later], query_mask[later], kwargs).tolist()
         out = []
         for i, seen in enumerate(rows):
             out.append(sampled.pop(0) if seen else self.first_ids[:kwargs["max_new_tokens"]])
@@ -118,15 +119,18 @@ def make_trainer(tmp_path, tokenizer, estimator="grpo", arch="llama", tools=(add
     trainer = PPOTrainer(POLICIES[arch](tokenizer), seen_rewards(store if store is not None else []),
                          args=PPOConfig(**defaults), train_dataset=prompts_dataset(), processing_class=tokenizer,
                          tools=list(tools))
-    trainer.rollout_maker.engine = FirstTurnScripted(tokenizer, first)
+    trainer.rollout_maker.engine = FirstTurnScripted(tokenizer, first, inner=trainer.rollout_maker.engine)
     return trainer
 
 
-@pytest.mark.parametrize("arch", list(POLICIES))
+@pytest.mark.parametrize("arch,backend", [("llama", "generate"), ("qwen2", "generate"), ("llama", "static")])
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
-def test_tool_rollout_trains_and_keeps_the_ids_the_policy_saw(tmp_path, tool_tokenizer, estimator, arch):
+def test_tool_rollout_trains_and_keeps_the_ids_the_policy_saw(tmp_path, tool_tokenizer, estimator, arch, backend):
     store = []
-    trainer = make_trainer(tmp_path, tool_tokenizer, estimator, arch, store=store)
+    trainer = make_trainer(tmp_path, tool_tokenizer, estimator, arch, store=store, generation_backend=backend)
+    assert trainer.rollout_maker.engine.inner.name == backend
+    if backend == "static":  # the later turns through the static-cache engine, eager (compiling costs ~20 s)
+        trainer.rollout_maker.engine.inner.compile = False
     rows = [trainer.train_dataset[i] for i in range(8)]
     experience, stats = trainer._make_experience(rows, list(range(8)))
     engine = trainer.rollout_maker.engine
