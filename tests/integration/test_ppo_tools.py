@@ -387,3 +387,18 @@ def test_rollout_func_trains_on_its_ids_with_env_mask(tmp_path, tool_tokenizer):
     assert experience.scores.tolist() == [0.0, 1.0] * 4
     trainer.train()
     assert len([h for h in trainer.state.log_history if "loss" in h]) == 2
+
+
+def test_tools_with_dynamic_sampling_refill(tmp_path, tool_tokenizer):
+    """filter_groups: every group has equal rewards, so a second generation round runs; its rows call tools too."""
+    args = PPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, rollout_batch_size=8,
+                     num_ppo_epochs=1, response_length=100, max_steps=1, logging_steps=1, save_strategy="no",
+                     report_to="none", seed=0, disable_tqdm=True, advantage_estimator="grpo", num_generations=4,
+                     filter_groups=True, max_num_gen_batches=2, max_tool_calling_iterations=1)
+    trainer = PPOTrainer(build_toy_model(tool_tokenizer), lambda prompts, completions, **kw: [1.0] * len(completions),
+                         args=args, train_dataset=prompts_dataset(), processing_class=tool_tokenizer, tools=[add])
+    trainer.rollout_maker.engine = FirstTurnScripted(tool_tokenizer, inner=trainer.rollout_maker.engine)
+    trainer.train()
+    log = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert log["filter/gen_batches"] == 2 and log["tools/call_frequency"] == 1.0  # 16 calls / 16 completions
+    assert sum(len(turns) for turns in trainer.rollout_maker.engine.turns) == 32  # 2 rounds x 8 rows x 2 turns
