@@ -1,18 +1,21 @@
-"""Running a turn's tool calls: concurrently in a bounded thread pool, each failure turned into a message.
+"""Running a turn's tool calls: concurrently on a bounded number of threads, each failure turned into a message.
 
 As TRL 1.16's GRPOTrainer (`_tool_call_loop`): a call runs as `tool(**arguments)`; its result becomes a tool message
 `{"role": "tool", "name": name, "content": str(result)}`, and an exception, an unknown tool name or a call that is
 not a function becomes `{"error": "..."}` as content, which the policy reads at its next turn. Unlike TRL, every
-call of a turn shares one deadline (`timeout` seconds after the turn's calls were submitted); a call past it is
-answered with a timeout error. Python cannot stop a thread: a call that never returns keeps its worker, so the pool
-has `max_workers` of them and a later turn may wait for a free one (its calls then time out too, never hang the run).
+call of a turn shares one deadline (`timeout` seconds after the turn's calls start); a call past it is answered with
+a timeout error. Python cannot stop a thread: a call that never returns keeps its slot, so at most `max_workers`
+calls run at once and a later call may wait for a free slot (and then time out too, never hang the run). The
+threads are daemons, so a hung tool does not keep the process from exiting either (a `ThreadPoolExecutor` would:
+its workers are joined at interpreter exit).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from concurrent.futures import ThreadPoolExecutor, wait
+import threading
+import time
 from typing import Callable
 
 
@@ -34,10 +37,10 @@ def _call(function: Callable, arguments: dict):
 
 
 class ToolRunner:
-    """A bounded pool that runs the tool calls of one turn of a rollout batch.
+    """Runs the tool calls of one turn of a rollout batch, at most `max_workers` at once.
 
     Args:
-        max_workers: threads of the pool.
+        max_workers: calls running at once (threads).
         timeout: seconds a turn's calls may take together (None: no limit).
     """
 
@@ -45,47 +48,60 @@ class ToolRunner:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self.max_workers, self.timeout = max_workers, timeout
-        self._pool = None
+        self._slots = threading.BoundedSemaphore(max_workers)
+
+    def _remaining(self, deadline):
+        return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+    def _start(self, function: Callable, arguments: dict) -> tuple[threading.Thread, dict]:
+        box: dict = {}
+
+        def target():
+            try:
+                box["result"] = _call(function, arguments)
+            except BaseException as err:  # noqa: BLE001 - any failure of a tool is the policy's to read
+                box["error"] = err
+            finally:
+                self._slots.release()
+
+        thread = threading.Thread(target=target, name="hf_rlhf-tool", daemon=True)
+        thread.start()
+        return thread, box
 
     def run(self, calls: list[tuple[dict, dict[str, Callable]]]) -> list[tuple[str, str, bool]]:
-        """Run `calls`, each (a parsed tool call, the tools of its row), in order of the list.
+        """Run `calls`, each (a parsed tool call, the tools of its row).
 
         Returns:
-            one (tool name, message content, failed) per call, in the same order.
+            one (tool name, message content, failed) per call, in the order of `calls`.
         """
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="hf_rlhf-tool")
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        timed_out = "Tool {} timed out after {} s."
         results: list = [None] * len(calls)
-        futures = {}
+        running = []
         for i, (call, tools) in enumerate(calls):
             function = call.get("function") if isinstance(call, dict) else None
             name = function.get("name") if isinstance(function, dict) else None
-            if call.get("type", "function") != "function" or not isinstance(name, str):
+            arguments = (function.get("arguments") or {}) if isinstance(function, dict) else None
+            if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(name, str):
                 results[i] = (str(name or "unknown"), str({"error": f"Unsupported tool call: {call!r}"}), True)
             elif name not in tools:
                 results[i] = (name, str({"error": f"Tool {name} not found."}), True)
+            elif not isinstance(arguments, dict):
+                results[i] = (name, str({"error": f"arguments must be an object, got {arguments!r}"}), True)
+            elif not self._slots.acquire(timeout=self._remaining(deadline)):  # every slot held by a hung call
+                results[i] = (name, str({"error": timed_out.format(name, self.timeout)}), True)
             else:
-                arguments = function.get("arguments") or {}
-                if not isinstance(arguments, dict):
-                    results[i] = (name, str({"error": f"arguments must be an object, got {arguments!r}"}), True)
-                else:
-                    futures[self._pool.submit(_call, tools[name], arguments)] = (i, name)
-        done, pending = wait(futures, timeout=self.timeout)
-        for future in pending:
-            future.cancel()
-            i, name = futures[future]
-            results[i] = (name, str({"error": f"Tool {name} timed out after {self.timeout} s."}), True)
-        for future in done:
-            i, name = futures[future]
-            try:
-                result = future.result()
-            except Exception as err:  # noqa: BLE001 - any failure of a tool is the policy's to read, not a crash
+                running.append((i, name) + self._start(tools[name], arguments))
+        for i, name, thread, box in running:
+            thread.join(self._remaining(deadline))
+            if thread.is_alive():
+                results[i] = (name, str({"error": timed_out.format(name, self.timeout)}), True)
+            elif "error" in box:
+                err = box["error"]
                 results[i] = (name, str({"error": f"{type(err).__name__}: {err}"}), True)
             else:
-                results[i] = (name, str(result), False)
+                results[i] = (name, str(box["result"]), False)
         return results
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Nothing to release (threads are per call); kept so callers can end a runner explicitly."""

@@ -144,6 +144,27 @@ def test_tool_runner_runs_calls_concurrently_and_times_out():
     runner.close()
 
 
+def test_a_hung_tool_neither_blocks_the_next_turn_nor_the_exit():
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from hf_rlhf.tools import ToolRunner\n"
+        "def hang(x: int) -> int:\n"
+        "    time.sleep(1000)\n"
+        "runner = ToolRunner(max_workers=1, timeout=0.3)\n"
+        "call = {'type': 'function', 'function': {'name': 'hang', 'arguments': {'x': 1}}}\n"
+        "first = runner.run([(call, {'hang': hang})])\n"
+        "second = runner.run([(call, {'hang': hang})])  # the only slot is still held: times out, no hang\n"
+        "print(first[0][2], second[0][2], 'timed out' in second[0][1])\n"
+    )
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "True", "True"], out.stderr[-2000:]
+    assert time.perf_counter() - start < 30  # the process exited although a tool thread never returns
+
+
 # -- the turn loop -----------------------------------------------------------------------------------
 class Script:
     """A generator that answers each call with scripted texts per row, recording what it was given."""
