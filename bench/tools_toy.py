@@ -17,12 +17,36 @@ import tempfile
 import time
 
 
+def sample_completions(model, tokenizer, rows):
+    """The greedy multi-turn completions (message lists) of a few rows, to see what the policy does."""
+    import torch
+
+    from hf_rlhf.ppo.multiturn import ToolRollout
+    from hf_rlhf.toy.tool_task import add
+    from hf_rlhf.tools import ToolRunner, tool_dict
+
+    loop = ToolRollout(tokenizer, tokenizer.eos_token_id, 120, 2, ToolRunner(2, 10))
+    out = []
+    for row in rows:
+        ids = torch.tensor([tokenizer.apply_chat_template(row["prompt"], tools=[add], add_generation_prompt=True,
+                                                          return_dict=False)])
+
+        def generate(ids, mask, n):
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)[:, ids.shape[1]:]
+
+        out.append([row["prompt"][0]["content"], loop.run(generate, ids, torch.ones_like(ids),
+                                                          [tool_dict([add])]).completions[0]])
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--digits", type=int, default=5)
     parser.add_argument("--sft_examples", type=int, default=3000)
     parser.add_argument("--sft_steps", type=int, default=400)
     parser.add_argument("--rl_steps", type=int, default=20)
+    parser.add_argument("--rl_lr", type=float, default=2e-5)
     parser.add_argument("--model_size", default="small")
     parser.add_argument("--eval_size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -52,11 +76,13 @@ def main(argv=None):
         sft_seconds = time.perf_counter() - start
         print(json.dumps({"phase": "sft", "seconds": round(sft_seconds, 1),
                           **tool_exact_match(policy, tokenizer, held_out)}), flush=True)
+        print(json.dumps({"phase": "sft_sample", "completions": sample_completions(policy, tokenizer, held_out[:2])}),
+              flush=True)
 
         start = time.perf_counter()
         rl_args = PPOConfig(output_dir=f"{tmp}/rl", advantage_estimator="grpo", num_generations=8,
                             per_device_train_batch_size=16, rollout_batch_size=32, num_ppo_epochs=1,
-                            response_length=120, max_steps=args.rl_steps, learning_rate=2e-5, kl_coef=0.0,
+                            response_length=120, max_steps=args.rl_steps, learning_rate=args.rl_lr, kl_coef=0.0,
                             temperature=0.7, max_tool_calling_iterations=2, logging_steps=5, save_strategy="no",
                             report_to="none", seed=0, disable_tqdm=True)
         rl = PPOTrainer(policy, tool_reward, args=rl_args, processing_class=tokenizer, tools=[add],
