@@ -9,6 +9,7 @@ import torch
 from hf_rlhf.ppo.multiturn import ToolRollout
 from hf_rlhf.toy import build_toy_tokenizer, build_toy_tool_tokenizer
 from hf_rlhf.tools import ToolRunner, check_tool_tokenizer, pack_turns, parse_turn, tool_dict, tool_suffix_ids
+from hf_rlhf.tools import execution as execution_module
 
 
 @pytest.fixture(scope="module")
@@ -144,13 +145,19 @@ def test_tool_runner_runs_calls_concurrently_and_times_out():
     runner.close()
 
 
+EXECUTION = execution_module.__file__
+
+
 def test_a_hung_tool_neither_blocks_the_next_turn_nor_the_exit():
     import subprocess
     import sys
 
     script = (
-        "import time\n"
-        "from hf_rlhf.tools import ToolRunner\n"
+        "import importlib.util, sys, time\n"  # the module alone (stdlib only): no trl import in the child
+        f"spec = importlib.util.spec_from_file_location('execution', {EXECUTION!r})\n"
+        "execution = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(execution)\n"
+        "ToolRunner = execution.ToolRunner\n"
         "def hang(x: int) -> int:\n"
         "    time.sleep(1000)\n"
         "runner = ToolRunner(max_workers=1, timeout=0.3)\n"
@@ -159,10 +166,10 @@ def test_a_hung_tool_neither_blocks_the_next_turn_nor_the_exit():
         "second = runner.run([(call, {'hang': hang})])  # the only slot is still held: times out, no hang\n"
         "print(first[0][2], second[0][2], 'timed out' in second[0][1])\n"
     )
-    start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    # the tool sleeps 1000 s: the process exiting within the timeout shows that the hung thread does not hold the
+    # interpreter's exit
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "True", "True"], out.stderr[-2000:]
-    assert time.perf_counter() - start < 30  # the process exited although a tool thread never returns
 
 
 # -- the turn loop -----------------------------------------------------------------------------------
