@@ -44,3 +44,36 @@ def test_greedy_tool_evaluation_runs_the_turn_loop(one_thread):
     result = tool_exact_match(model, tokenizer, rows, response_length=24, batch_size=2)
     assert result == {"exact_match": 0.0, "tool_calls_per_completion": 0.0, "tool_error_rate": 0.0}  # random weights
     torch.manual_seed(0)
+
+
+class Oracle(torch.nn.Module):
+    """A 'model' whose greedy turns are the right call, then the tool's result copied (or a wrong digit)."""
+
+    def __init__(self, tokenizer, slip=False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.tokenizer, self.slip = tokenizer, slip
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
+        rows = []
+        for ids, mask in zip(input_ids, attention_mask):
+            text = self.tokenizer.decode(ids[mask.bool()])
+            if "result: " in text:
+                answer = text.rsplit("result: ", 1)[1].split("<|")[0]
+                turn = (answer[:-1] + str((int(answer[-1]) + 1) % 10) if self.slip else answer) + "<|eos|>"
+            else:
+                a, b = text.rsplit("<|user|>", 1)[1].split("=")[0].split("+")
+                turn = f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call><|eos|>'
+            rows.append(self.tokenizer(turn, add_special_tokens=False)["input_ids"][:max_new_tokens])
+        width = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id
+        new = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+        return torch.cat([input_ids, new], dim=1)
+
+
+def test_greedy_evaluation_scores_a_policy_that_uses_the_tool():
+    tokenizer = build_toy_tool_tokenizer()
+    rows = list(tool_prompt_dataset(5, seed=3, digits=7))
+    good = tool_exact_match(Oracle(tokenizer), tokenizer, rows, batch_size=2)
+    assert good == {"exact_match": 1.0, "tool_calls_per_completion": 1.0, "tool_error_rate": 0.0}
+    assert tool_exact_match(Oracle(tokenizer, slip=True), tokenizer, rows)["exact_match"] == 0.0
