@@ -257,6 +257,17 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         default=10, metadata={"help": "filter_groups: most generation rounds per rollout (veRL's name); a rollout "
                                       "still short after them is completed with dropped groups."},
     )
+    max_tool_calling_iterations: int | None = field(
+        default=None, metadata={"help": "With tools: most rounds of tool calls per rollout (TRL's name); None: no "
+                                        "limit but response_length, which bounds the whole multi-turn response."},
+    )
+    tool_call_timeout: float | None = field(
+        default=30.0, metadata={"help": "With tools: seconds the tool calls of one turn may take together; a call "
+                                        "still running then is answered with a timeout error. None: no limit."},
+    )
+    tool_max_workers: int = field(
+        default=8, metadata={"help": "With tools: threads that run a turn's tool calls concurrently."},
+    )
 
     def __post_init__(self):
         check_field_types(self)
@@ -378,6 +389,11 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
              f"filter_groups drops prompt groups whose rewards are all equal: it needs a group estimator "
              f"{GROUP_ESTIMATORS}, got advantage_estimator={self.advantage_estimator!r}"),
             (self.max_num_gen_batches >= 1, f"max_num_gen_batches must be >= 1, got {self.max_num_gen_batches}"),
+            (self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
+             f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}"),
+            (self.tool_call_timeout is None or self.tool_call_timeout > 0,
+             f"tool_call_timeout must be > 0 or None, got {self.tool_call_timeout}"),
+            (self.tool_max_workers >= 1, f"tool_max_workers must be >= 1, got {self.tool_max_workers}"),
             (not (self.kl_in_loss and self.advantage_estimator == "gae"),
              "kl_in_loss is for the critic-free estimators; gae's KL is a reward penalty (its value function "
              "learns the penalised return)"),

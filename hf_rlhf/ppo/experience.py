@@ -12,7 +12,9 @@ class Experience:
     """One rollout's batch (B rows; Q prompt columns, left-padded; R response columns, right-padded).
 
     Every (B, R) field is aligned with `response_ids`: column t describes response token t. Values outside
-    `response_mask` are meaningless (0 or padding) and never reach a loss.
+    `response_mask` are meaningless (0 or padding) and never reach a loss. In a multi-turn rollout with tools the
+    response also holds tokens the policy did not generate (tool results, the template's turn markers): they are
+    in `context_mask` (attended to) but not in `response_mask` (not trained on, not counted in any token mean).
     """
 
     query_ids: torch.LongTensor  # (B, Q) prompt tokens, left-padded with the pad id
@@ -26,6 +28,11 @@ class Experience:
     rewards: torch.Tensor  # (B, R) per-token reward: -β·KL on each token, plus the score on the last one
     advantages: torch.Tensor  # (B, R) the estimator's advantages (GAE: whitened when `whiten_advantages`)
     returns: torch.Tensor  # (B, R) GAE: value targets (unwhitened advantages + old values); see estimate_advantages
+    context_mask: torch.Tensor | None = None  # (B, R) 1 on every response-side token in the context; None: = mask
+
+    def __post_init__(self):
+        if self.context_mask is None:  # one turn: the context is the response itself
+            self.context_mask = self.response_mask.clone()
 
     def __len__(self) -> int:
         return self.query_ids.shape[0]
@@ -41,7 +48,7 @@ class Experience:
     @classmethod
     def from_dict(cls, data: dict) -> "Experience":
         """Rebuild from `to_dict()` output (extra keys, e.g. rollout stats, are ignored)."""
-        return cls(**{name: data[name] for name in cls.field_names()})
+        return cls(**{name: data[name] for name in cls.field_names() if name in data})
 
     def select(self, indices) -> "Experience":
         """The rows `indices` (a list or LongTensor), in that order."""
@@ -57,7 +64,7 @@ class Experience:
         A micro-batch of a rollout is usually narrower than the rollout; the forward then costs less.
         """
         q_start = int(self.query_mask.any(0).long().argmax()) if self.query_mask.any() else 0
-        r_end = int(self.response_mask.any(0).nonzero().max()) + 1 if self.response_mask.any() else 1
+        r_end = int(self.context_mask.any(0).nonzero().max()) + 1 if self.context_mask.any() else 1
         out = {}
         for name, value in self.to_dict().items():
             if name.startswith("query_"):

@@ -118,7 +118,7 @@ def prompt_length_limit(args, max_positions: int | None) -> int | None:
 
 
 def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None = None,
-                           conversational: bool | None = None) -> Dataset:
+                           conversational: bool | None = None, tools: list | None = None) -> Dataset:
     """Validate and tokenize prompt rows: adds `input_ids` (the prompt's tokens); other columns are kept.
 
     Rows have a `prompt` (a string, or a list of messages) or a `messages` list (renamed to `prompt`). Plain
@@ -131,6 +131,7 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
         conversational: None: the rows are checked here (`validate_prompt_dataset`); a bool: `dataset` is what
             `validate_prompt_dataset` returned, with this kind of prompts (PPOTrainer checks the rows before it loads
             any model, so they are not checked twice).
+        tools: callables rendered into conversational prompts by the chat template (`tools=`), as TRL does.
 
     Raises:
         DataValidationError: naming the row and field (a missing or empty prompt, a prompt that is too long).
@@ -146,7 +147,7 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
         def tokenize(row):
             if conversational:
                 ids = tokenizer.apply_chat_template(list(row["prompt"]), tokenize=True, return_dict=True,
-                                                    add_generation_prompt=True)["input_ids"]
+                                                    add_generation_prompt=True, tools=tools or None)["input_ids"]
             else:
                 ids = prefix + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
             return {"input_ids": list(ids)}

@@ -7,6 +7,7 @@ the pure functions of `hf_rlhf.ppo` and `hf_rlhf.tensors`, so this file only ord
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from .critic_free import informative_groups, truncated_loss_mask
 from .estimators import estimate_advantages
 from .experience import Experience
 from .kl import kl_penalty, sequence_policy_stats
+from .multiturn import ToolRollout, rollout_func_sample
 from .policy_value import response_logits
 
 logger = logging.getLogger("hf_rlhf")
@@ -52,9 +54,17 @@ class RolloutMaker:
         accelerator: the Trainer's accelerator (device, gathers across ranks).
         ref_model: a frozen reference model; None when the policy is a `PeftModel` (reference = adapters off).
         reward_stats: {"reward_mean", "reward_std"} for `reward_normalization="model_stats"`.
+        tool_rollout: a `ToolRollout` for multi-turn rollouts with tools; None: one turn.
+        row_tools: `rows -> (rows, [{name: callable}, ...], extra reward fields)`: the rows of a generation round
+            (a prompt may change, e.g. by an environment's `reset` observation, with its `input_ids`), the tools of
+            each (one environment instance per row) and fields passed to `compute_rewards` (`environments`);
+            required with `tool_rollout`.
+        rollout_func: `prompts -> dict`, TRL's `rollout_func` bound to the trainer: replaces steps 1-3 (see
+            `hf_rlhf.ppo.multiturn.rollout_func_sample` for what it returns).
     """
 
-    def __init__(self, args, tokenizer, compute_rewards, accelerator, ref_model=None, reward_stats=None):
+    def __init__(self, args, tokenizer, compute_rewards, accelerator, ref_model=None, reward_stats=None,
+                 tool_rollout: ToolRollout | None = None, row_tools=None, rollout_func=None):
         self.args, self.tokenizer, self.compute_rewards = args, tokenizer, compute_rewards
         self.accelerator, self.ref_model, self.reward_stats = accelerator, ref_model, reward_stats
         self.collator = LeftPaddingCollator(tokenizer.pad_token_id)
@@ -63,6 +73,8 @@ class RolloutMaker:
         # `PPOConfig.generation_backend`; reads the live policy module, so no `sync_weights` after optimizer steps
         self.engine = build_engine(args.generation_backend)
         self._engine_checked = False
+        self.tool_rollout, self.row_tools, self.rollout_func = tool_rollout, row_tools, rollout_func
+        self._tool_counts = [0, 0, 0]  # calls, failures, completions of this rollout (every generation round)
 
     @torch.no_grad()
     def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None, refill=None):
@@ -85,18 +97,23 @@ class RolloutMaker:
             raise ValueError("mask_truncated_completions needs a stop token (stop_token='eos' or stop_token_id): "
                              "without one every response runs to response_length and none would be trained on")
         # steps 1-4. prompts, responses, scores (with `filter_groups`: only groups whose rewards differ, refilled)
+        self._tool_counts = [0, 0, 0]
         sample = self._sample(model, rows, row_indices)
         filter_stats = {}
         if args.filter_groups and refill is not None:
             sample, filter_stats = self._filter_groups(model, sample, refill)
-        query_ids, query_mask, response_ids, response_mask, stopped, raw_scores = sample
+        query_ids, query_mask, response_ids, response_mask, context_mask, stopped, raw_scores = sample
 
         # step 5. old log-probs and values of the policy, log-probs of the reference (eval mode, micro-batches);
         # with one optimizer step per rollout and no KL in the rewards, the loss's own forward gives the old
         # log-probs (`PPOConfig.old_logprobs_in_loss`) and the policy forward here is skipped
         model.eval()
         old_logprobs, old_values, ref_logprobs = self._forward(model, query_ids, query_mask, response_ids,
-                                                               response_mask, policy=not args.old_logprobs_in_loss)
+                                                               context_mask, policy=not args.old_logprobs_in_loss)
+        if self.tool_rollout is not None or self.rollout_func is not None:  # environment tokens: never the policy's
+            keep = response_mask.bool()
+            old_logprobs, old_values, ref_logprobs = (torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
+                                                      for t in (old_logprobs, old_values, ref_logprobs))
 
         # step 6. per-token KL, score shaping, then the estimator's rewards and advantages (GAE, GRPO, ...)
         if args.old_logprobs_in_loss or not args.uses_reference:  # no KL in the rewards (the loss computes it)
@@ -108,32 +125,64 @@ class RolloutMaker:
         rewards, advantages, returns = estimate_advantages(args, scores, kl, response_mask, old_values, kl_coef,
                                                            reduce)
         experience = Experience(query_ids, query_mask, response_ids, response_mask, old_logprobs, ref_logprobs,
-                                old_values, scores, rewards, advantages, returns)
+                                old_values, scores, rewards, advantages, returns, context_mask)
         stats = self._stats(experience, kl, raw_scores, stopped, kl_coef)
         stats.update(filter_stats)
+        if self.tool_rollout is not None:
+            stats.update(self._tool_stats())
         if args.mask_truncated_completions:  # counted in the baselines above, left out of the loss (as TRL)
             experience.response_mask = truncated_loss_mask(response_mask, stopped)
         return experience, stats
 
     def _sample(self, model, rows, row_indices):
-        """(query_ids, query_mask, response_ids, response_mask, stopped, raw_scores) of one generation round."""
+        """(query_ids, query_mask, response_ids, response_mask, context_mask, stopped, raw_scores) of one generation
+        round; `context_mask` differs from `response_mask` (the loss mask) only on the environment's tokens of a
+        multi-turn rollout."""
         device = self.accelerator.device
+        if self.tool_rollout is not None:
+            rows, tool_sets, extra_fields = self.row_tools(rows)
         # step 1. left-padded prompts (the last column is every row's last prompt token)
         batch = self.collator(rows)
         query_ids, query_mask = batch.pop("input_ids").to(device), batch.pop("attention_mask").to(device)
         batch.pop("position_ids")  # every forward below builds its own from the masks (`sequence_inputs`)
         prompts = batch.pop("prompt")
 
-        # step 2. sample responses with the KV cache, policy in eval mode (dropout off, as for the old log-probs)
-        response_ids = self._generate(model.policy, query_ids, query_mask)
+        if self.rollout_func is not None:  # steps 1-3 are the user's (TRL's rollout_func); the ids are trained as given
+            conversational = isinstance(prompts[0], list)
+            query_ids, query_mask, turns, extra_fields = rollout_func_sample(
+                self.rollout_func(list(prompts)), len(rows), self.tokenizer, self.stop_token_id, conversational, device)
+            response_ids, response_mask, stopped = turns.response_ids, turns.loss_mask, turns.stopped
+            context_mask, completions = turns.context_mask, turns.completions
+            batch.update(extra_fields)
+        elif self.tool_rollout is not None:  # steps 2-3 over several turns: generate, call tools, append, repeat
+            with self._generator(model.policy) as generate:
+                turns = self.tool_rollout.run(generate, query_ids, query_mask, tool_sets)
+            batch.update(extra_fields)
+            response_ids, response_mask, stopped = turns.response_ids, turns.loss_mask, turns.stopped
+            context_mask, completions = turns.context_mask, turns.completions
+            self._tool_counts = [self._tool_counts[0] + sum(turns.tool_calls),
+                                 self._tool_counts[1] + sum(turns.tool_failures), self._tool_counts[2] + len(rows)]
+        else:
+            # step 2. sample responses with the KV cache, policy in eval mode (dropout off, as for the old log-probs)
+            with self._generator(model.policy) as generate:
+                response_ids = generate(query_ids, query_mask, self.args.response_length)
 
-        # step 3. truncate after the first stop token: mask 1 up to and including it, pad after it
-        response_ids, response_mask, stopped = self._truncate(response_ids)
+            # step 3. truncate after the first stop token: mask 1 up to and including it, pad after it
+            response_ids, response_mask, stopped = self._truncate(response_ids)
+            context_mask = response_mask
+            completions = self._decode(response_ids, response_mask, conversational=isinstance(prompts[0], list))
 
         # step 4. score the decoded text (each reward source re-tokenizes it its own way)
-        completions = self._decode(response_ids, response_mask, conversational=isinstance(prompts[0], list))
         raw_scores = self._score(prompts, completions, batch, row_indices).to(device)
-        return query_ids, query_mask, response_ids, response_mask, stopped, raw_scores
+        return query_ids, query_mask, response_ids, response_mask, context_mask, stopped, raw_scores
+
+    def _tool_stats(self) -> dict[str, float]:
+        """TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failed / calls), over
+        every rank's completions of this rollout."""
+        calls, failures, completions = self.accelerator.reduce(
+            torch.tensor([float(c) for c in self._tool_counts], device=self.accelerator.device), reduction="sum").tolist()
+        return {"tools/call_frequency": calls / max(completions, 1.0),
+                "tools/failure_frequency": failures / calls if calls else 0.0}
 
     def _filter_groups(self, model, sample, refill):
         """DAPO's dynamic sampling: keep groups whose rewards differ; generate more rounds until the rollout is full.
@@ -146,7 +195,7 @@ class RolloutMaker:
         wanted = sample[0].shape[0] // G
         kept, dropped, rounds, dropped_count = [], [], 0, 0
         while True:
-            keep = informative_groups(sample[5], G, sample[4] if self._stop_matters() else None)
+            keep = informative_groups(sample[6], G, sample[5] if self._stop_matters() else None)
             rows = keep.repeat_interleave(G)
             kept.append(tuple(t[rows] for t in sample))
             dropped.append(tuple(t[~rows] for t in sample))
@@ -162,15 +211,17 @@ class RolloutMaker:
         query_mask = _cat_left_padded([p[1] for p in parts], 0)
         response_ids = _cat_right_padded([p[2] for p in parts], self.tokenizer.pad_token_id)
         response_mask = _cat_right_padded([p[3] for p in parts], 0)
-        stopped, raw_scores = torch.cat([p[4] for p in parts]), torch.cat([p[5] for p in parts])
+        context_mask = _cat_right_padded([p[4] for p in parts], 0)
+        stopped, raw_scores = torch.cat([p[5] for p in parts]), torch.cat([p[6] for p in parts])
         n = wanted * G
         totals = self.accelerator.reduce(torch.tensor([float(dropped_count), float(max(wanted * G - sum(
             p[0].shape[0] for p in kept), 0) // G)], device=stopped.device), reduction="sum")
         stats = {"filter/dropped_groups": totals[0].item(), "filter/refilled_with_dropped": totals[1].item(),
                  "filter/gen_batches": float(rounds)}
-        sample = (query_ids[:n], query_mask[:n], response_ids[:n], response_mask[:n], stopped[:n], raw_scores[:n])
-        width = int(sample[3].sum(1).max())  # the longest kept response: the rest is padding
-        return sample[:2] + (sample[2][:, :max(width, 1)], sample[3][:, :max(width, 1)]) + sample[4:], stats
+        sample = (query_ids[:n], query_mask[:n], response_ids[:n], response_mask[:n], context_mask[:n], stopped[:n],
+                  raw_scores[:n])
+        width = max(int(sample[4].sum(1).max()), 1)  # the longest kept response: the rest is padding
+        return sample[:2] + tuple(t[:, :width] for t in sample[2:5]) + sample[5:], stats
 
     def _stop_matters(self) -> bool:
         return self.args.missing_eos_penalty is not None and self.stop_token_id is not None
@@ -179,14 +230,11 @@ class RolloutMaker:
         return self.accelerator.reduce(tensor, reduction="sum")
 
     # -- steps ---------------------------------------------------------------------------------------
-    def _generate(self, policy, query_ids, query_mask) -> torch.LongTensor:
-        """(B, R) sampled response ids, R <= response_length, padded after early stops (`self.engine`)."""
+    @contextmanager
+    def _generator(self, policy):
+        """Yields `generate(ids, mask, max_new_tokens) -> (B, N)` sampled ids, N <= max_new_tokens, padded after early
+        stops (`self.engine`), for as many calls (turns) as needed inside one unwrapped-policy scope."""
         args, pad = self.args, self.tokenizer.pad_token_id
-        # stop token None: no early stop (a kwarg, unlike a config, overrides)
-        kwargs = dict(max_new_tokens=args.response_length, do_sample=True, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, eos_token_id=self.stop_token_id,
-                      generation_kwargs=args.generation_kwargs)
-        chunks = []
         checkpointing = {k: v for k, v in (args.activation_checkpointing_kwargs or {}).items()
                          if k not in ("every_n_layers", "offload")}  # re-enabled after generation with these
         # the policy itself, not the wrapper: trl's helper needs a PreTrainedModel / PeftModel (and gathers ZeRO-3)
@@ -197,12 +245,21 @@ class RolloutMaker:
             if not self._engine_checked:
                 self.engine.check_model(unwrapped)
                 self._engine_checked = True
-            for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):
-                end = start + args.local_rollout_forward_batch_size
-                out = self.engine.generate(unwrapped, query_ids[start:end], query_mask[start:end], **kwargs)
-                chunks.append(out.response_ids)
-        width = max(chunk.shape[1] for chunk in chunks)
-        return torch.cat([F.pad(chunk, (0, width - chunk.shape[1]), value=pad) for chunk in chunks])
+
+            def generate(query_ids, query_mask, max_new_tokens: int) -> torch.LongTensor:
+                # stop token None: no early stop (a kwarg, unlike a config, overrides)
+                kwargs = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, eos_token_id=self.stop_token_id,
+                              generation_kwargs=args.generation_kwargs)
+                chunks = []
+                for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):
+                    end = start + args.local_rollout_forward_batch_size
+                    out = self.engine.generate(unwrapped, query_ids[start:end], query_mask[start:end], **kwargs)
+                    chunks.append(out.response_ids)
+                width = max(chunk.shape[1] for chunk in chunks)
+                return torch.cat([F.pad(chunk, (0, width - chunk.shape[1]), value=pad) for chunk in chunks])
+
+            yield generate
 
     def _truncate(self, response_ids):
         """(response_ids with pad after the stop token, response_mask (B, R), stopped (B,) bool)."""
@@ -233,7 +290,8 @@ class RolloutMaker:
 
     def _forward(self, model, query_ids, query_mask, response_ids, response_mask, policy: bool = True):
         """(old log-probs, old values, reference log-probs), each (B, R); without `policy` the first two are zeros
-        (the loss computes the old log-probs; critic-free estimators have no values)."""
+        (the loss computes the old log-probs; critic-free estimators have no values). `response_mask` is the
+        attention over the response side (the context mask: environment tokens included)."""
         args = self.args
         logprobs, values, ref_logprobs = [], [], []
         for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):

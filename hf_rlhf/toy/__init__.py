@@ -12,13 +12,15 @@ from .tasks import (
     reward_fn,
     sft_dataset,
 )
-from .tokenizer import build_toy_tokenizer
+from .tokenizer import build_toy_tokenizer, build_toy_tool_tokenizer
+from .tool_task import tool_exact_match, tool_prompt_dataset, tool_reward, tool_sft_dataset
 
 __all__ = [
     "answer_for_prompt",
     "build_toy_model",
     "build_toy_reward_model",
     "build_toy_tokenizer",
+    "build_toy_tool_tokenizer",
     "exact_match",
     "is_correct",
     "make_tasks",
@@ -26,5 +28,9 @@ __all__ = [
     "prompt_dataset",
     "reward_fn",
     "sft_dataset",
+    "tool_exact_match",
+    "tool_prompt_dataset",
+    "tool_reward",
+    "tool_sft_dataset",
     "toy_model_config",
 ]

@@ -80,3 +80,47 @@ def build_toy_tokenizer(save_dir: str | None = None):
     if save_dir:
         tokenizer.save_pretrained(save_dir)
     return tokenizer
+
+
+# Tool calling in the toy world (issue 21): the same characters, a template that renders tools, tool calls and
+# tool results, and the response template transformers' `parse_response` reads the calls with. A tool result comes
+# back as a user-side turn "<|user|>result: ..." (the tokenizer has no tool role token; adding one would change the
+# vocabulary of every toy model).
+TOOL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>tools:{% for tool in tools %}"
+    " {{ tool['function']['name'] if tool['function'] is defined else tool['name'] }}{% endfor %}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "<|assistant|>{% generation %}{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}{{ eos_token }}{% endgeneration %}"
+    "{% elif message['role'] == 'tool' %}<|user|>result: {{ message['content'] }}"
+    "{% else %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TOOL_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|assistant|>",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|eos\|>\s*", "content": "text"},
+    },
+}
+
+
+def build_toy_tool_tokenizer(save_dir: str | None = None):
+    """The toy tokenizer with `TOOL_CHAT_TEMPLATE` and `TOOL_RESPONSE_TEMPLATE` (same vocabulary and ids)::
+
+        <|bos|><|system|>tools: add<|user|>12+30=<|assistant|><tool_call>{"name": "add", "arguments": {"a": 12,
+        "b": 30}}</tool_call><|eos|><|user|>result: 42<|assistant|>42<|eos|>
+    """
+    tokenizer = build_toy_tokenizer(save_dir)
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
+    return tokenizer

@@ -40,13 +40,17 @@ from ..ppo.critic_free import aggregate_loss
 from ..ppo.kl import kl_penalty, sequence_policy_stats
 from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator, validate_prompt_dataset
 from ..ppo.losses import policy_loss_per_token, value_loss
+from ..ppo.multiturn import ToolRollout
 from ..ppo.policy_value import PolicyAndValue, response_logits
-from ..ppo.rollout import KL_METRICS, RolloutMaker
+from ..ppo.rollout import KL_METRICS, RolloutMaker, stop_token_id_of
 from ..ppo.value_adapter import add_value_adapter, resolve_value_adapter
 from ..reward_models import disable_dropout, unwrap_peft
 from ..rewards.factory import build_reward_source
 from ..rewards.model import ModelReward
 from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
+from ..rewards.base import FunctionReward
+from ..tools import ToolRunner, check_tool_tokenizer, tool_dict
+from ..tools.environments import EnvironmentPool
 from .base import BaseTrainer
 
 logger = logging.getLogger("hf_rlhf")
@@ -94,6 +98,22 @@ class PPOTrainer(BaseTrainer):
         data_collator, eval_dataset: trl 1.12's names, taken so its scripts run: prompts are batched and
             left-padded by the rollout itself, so only None or a `DataCollatorWithPadding` (unused) is accepted, and
             there is no evaluation loop (eval_dataset must be None).
+        tools: Python functions the policy may call (TRL 1.16 GRPOTrainer's `tools`: type-hinted, Google-style
+            docstring; sync or async), for every `advantage_estimator`. The prompts (conversational) are rendered
+            with them; the rollout then alternates turns and tool calls (`hf_rlhf.ppo.multiturn`) up to
+            `max_tool_calling_iterations`; tool results are in the context, not in the loss. A call's exception, an
+            unknown tool, a malformed call or a timeout (`tool_call_timeout`) becomes an error message the policy
+            reads. Reward functions receive the completion as its message list (assistant turns and tool messages).
+        environment_factory: TRL 1.16's: a no-argument callable returning an environment with `reset(**row)`
+            (returning None or a string appended to the row's last user message), public methods that are its tools,
+            and optionally `get_reward()`, a score added to `reward_model`'s (which may then be None). One instance
+            per rollout row, pooled and reset per rollout; reward functions receive them as `environments=`.
+        rollout_func: TRL 1.16's `(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", "env_mask"?,
+            ...}`: generates the rollout itself. It gets one prompt per rollout row (G copies of a prompt for the
+            group estimators, where TRL hands over each prompt once) and returns one completion per row; `env_mask`
+            (0 on tokens the policy did not generate) keeps those out of the loss; other keys reach the reward as
+            columns; `logprobs` are not used (the rollout's own forward computes the old log-probs). Not combined
+            with `tools` / `environment_factory`.
 
     trl 1.12's `trl.experimental.ppo.PPOTrainer` keywords all work (`args`, `processing_class`, `model`,
     `ref_model`, `reward_model`, `train_dataset`, `value_model`, `data_collator`, `eval_dataset`, `optimizers`,
@@ -120,7 +140,8 @@ class PPOTrainer(BaseTrainer):
     def __init__(self, model, reward_model, args: PPOConfig | None = None, train_dataset=None, processing_class=None,
                  value_model=None, ref_model=None, reward_processing_class=None, peft_config=None,
                  model_config: ModelConfig | None = None, ptx_dataset=None, callbacks=None, optimizers=(None, None),
-                 data_collator=None, eval_dataset=None, **kwargs):
+                 data_collator=None, eval_dataset=None, tools=None, environment_factory=None, rollout_func=None,
+                 **kwargs):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
@@ -140,6 +161,26 @@ class PPOTrainer(BaseTrainer):
                                       "policy (trainer.model.policy) in a callback, e.g. with hf_rlhf.toy.exact_match.")
         # the prompt rows are checked before any model is loaded: a bad row fails in seconds, naming row and field
         train_dataset, conversational = validate_prompt_dataset(as_dataset(train_dataset))
+        tools = list(tools or [])
+        tool_dict(tools)  # named callables, checked before any model is loaded
+        if rollout_func is not None and (tools or environment_factory is not None):
+            raise ValueError("rollout_func generates the rollout itself: it is not combined with tools or "
+                             "environment_factory (run the tools inside it and mark their tokens with env_mask)")
+        if rollout_func is not None and not callable(rollout_func):
+            raise ValueError(f"rollout_func must be a callable (prompts, trainer) -> dict, got {rollout_func!r}")
+        self.environment_pool = None
+        if environment_factory is not None:  # probes one environment: its tools are rendered into the prompts
+            self.environment_pool = EnvironmentPool(environment_factory, tools)
+            tools = self.environment_pool.template_tools
+        if reward_model is None and not (self.environment_pool is not None and self.environment_pool.has_reward):
+            raise ValueError("reward_model is None: pass a reward function, model or endpoint, or an "
+                             "environment_factory whose environment defines get_reward()")
+        if tools or environment_factory is not None:
+            if not conversational:
+                raise ValueError("tools need conversational prompts (a `prompt` or `messages` list of messages): the "
+                                 "chat template renders the tools, the tool calls and their results")
+            if processing_class is not None and not isinstance(processing_class, str):
+                check_tool_tokenizer(processing_class)
         set_seed(args.seed)  # as the Trainer does, but before the value head (and a value adapter) are initialised
         policy, model_config = resolve_model(model, model_config)
         processing_class = self.resolve_tokenizer(processing_class, policy)
@@ -147,12 +188,17 @@ class PPOTrainer(BaseTrainer):
             processing_class.pad_token = processing_class.eos_token
         if processing_class.pad_token is None:
             raise ValueError("the policy tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
+        if tools:
+            check_tool_tokenizer(processing_class)
+            if stop_token_id_of(args, processing_class) is None:
+                raise ValueError("tools need a stop token that ends the policy's turn: stop_token='eos' (with an eos "
+                                 "token) or stop_token_id")
         policy = self.add_peft(policy, model_config, args, peft_config, prompt_learning=False)
         module, ref_model = self._build_models(policy, value_model, ref_model, args)
 
-        reward_source = build_reward_source(reward_model, reward_processing_class, device=args.device,
-                                            batch_size=args.local_rollout_forward_batch_size,
-                                            policy=module.policy, policy_tokenizer=processing_class)
+        reward_source = None if reward_model is None else build_reward_source(
+            reward_model, reward_processing_class, device=args.device, batch_size=args.local_rollout_forward_batch_size,
+            policy=module.policy, policy_tokenizer=processing_class)
         reward_stats = getattr(reward_source, "reward_stats", None)
         if args.reward_normalization == "model_stats" and reward_stats is None:
             raise ValueError("reward_normalization='model_stats' needs reward_mean / reward_std in the reward model's "
@@ -160,7 +206,7 @@ class PPOTrainer(BaseTrainer):
                              "none: use 'running' or 'none'.")
         positions = getattr(getattr(module.policy, "config", None), "max_position_embeddings", None)
         train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args, max_positions=positions,
-                                               conversational=conversational)
+                                               conversational=conversational, tools=tools)
         self.ptx_dataset = self._prepare_ptx(ptx_dataset, processing_class, args)
         own = [KLControllerCallback(args.kl_coef, args.kl_target, args.kl_horizon), EpochFromStepCallback()]
         if args.reward_normalization == "running":
@@ -173,8 +219,15 @@ class PPOTrainer(BaseTrainer):
             reward_source.model = self._prepare_frozen(reward_source.model)
         self.reward_source = reward_source
         # through the method, so a subclass's `compute_rewards` and a `reward_source` set later both take effect
+        self.tools = tools
+        tool_rollout = None
+        if tools or self.environment_pool is not None:
+            runner = ToolRunner(args.tool_max_workers, args.tool_call_timeout)
+            tool_rollout = ToolRollout(processing_class, stop_token_id_of(args, processing_class), args.response_length,
+                                       args.max_tool_calling_iterations, runner)
         self.rollout_maker = RolloutMaker(args, processing_class, self.compute_rewards, self.accelerator, self.ref_model,
-                                          reward_stats)
+                                          reward_stats, tool_rollout, self._row_tools,
+                                          None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
         self._loader, self._resume_from = None, None
 
     @staticmethod
@@ -260,13 +313,41 @@ class PPOTrainer(BaseTrainer):
             (B,) scores (a tensor or a list of numbers; checked finite, one per completion), before
             `reward_normalization`, the missing-stop penalty and the KL penalty.
         """
-        return self.reward_source(prompts, completions, **columns)
+        environments = columns.pop("environments", None)
+        if self.reward_source is None:
+            scores = torch.zeros(len(completions))
+        else:
+            if environments is not None and isinstance(self.reward_source, FunctionReward):
+                columns["environments"] = environments  # as TRL passes them to reward functions
+            scores = torch.as_tensor(self.reward_source(prompts, completions, **columns), dtype=torch.float32)
+        if environments is not None and self.environment_pool.has_reward:  # TRL: weight 1, alongside the others
+            scores = scores + torch.tensor([float(env.get_reward()) for env in environments])
+        return scores
+
+    def _row_tools(self, rows: list[dict]) -> tuple[list[dict], list[dict], dict]:
+        """(rows, {name: callable} per row, extra reward fields) for one generation round of a rollout with tools."""
+        if self.environment_pool is None:
+            tools = tool_dict(self.tools)
+            return rows, [tools for _ in rows], {}
+        instances, tool_sets, observations = self.environment_pool.take(rows)
+        out = []
+        for row, observation in zip(rows, observations):
+            if observation is not None:  # TRL: the observation ends the last user message
+                prompt = list(row["prompt"])
+                prompt[-1] = {**prompt[-1], "content": prompt[-1]["content"] + str(observation)}
+                ids = self.processing_class.apply_chat_template(prompt, tools=self.tools or None, tokenize=True,
+                                                                add_generation_prompt=True, return_dict=True)
+                row = {**row, "prompt": prompt, "input_ids": list(ids["input_ids"])}
+            out.append(row)
+        return out, tool_sets, {"environments": instances}
 
     def _make_experience(self, rows, indices, refill=None):
         # looked up at each rollout: a checkpoint restore may have replaced these callbacks in the handler
         kl = find_callback(self.callback_handler, KLControllerCallback).controller
         stats_cb = find_callback(self.callback_handler, RewardStatsCallback)
         model = self.accelerator.unwrap_model(self.model_wrapped)
+        if self.environment_pool is not None:
+            self.environment_pool.new_rollout()
         experience, stats = self.rollout_maker.make(model, rows, kl.value, stats_cb and stats_cb.moments, indices,
                                                     refill)
         if "objective/kl" in stats:  # absent with old_logprobs_in_loss, whose β is fixed (nothing to update)
@@ -299,8 +380,9 @@ class PPOTrainer(BaseTrainer):
         if args.mask_truncated_completions:  # a minibatch of truncated responses only has no token (as TRL: >= 1)
             normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=mask.device).clamp(min=1.0)
         extra = (inputs["ptx_input_ids"], inputs["ptx_attention_mask"]) if "ptx_input_ids" in inputs else None
-        logits, values, ptx_logits = response_logits(model, exp.query_ids, exp.query_mask, exp.response_ids, mask,
-                                                     args.temperature, extra_rows=extra)
+        # attention over every token the policy saw (a multi-turn response's tool results too); the loss over `mask`
+        logits, values, ptx_logits = response_logits(model, exp.query_ids, exp.query_mask, exp.response_ids,
+                                                     exp.context_mask, args.temperature, extra_rows=extra)
         logprobs = logprobs_from_logits(logits, exp.response_ids)
         # one optimizer step per rollout: this forward runs the rollout's weights, so its detached log-probs are
         # the old ones (the rollout skipped its own policy forward; `PPOConfig.old_logprobs_in_loss`)
