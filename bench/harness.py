@@ -108,24 +108,30 @@ def summarize_pairs(runs: list[dict], configs: list[str], repeats: int, referenc
     summary = {}
     for name in configs:
         pps = [by[r, name]["pairs_per_s"] for r in range(repeats)]
+        rss = [by[r, name]["peak_rss_mb"] for r in range(repeats)]
         entry = {"pairs_per_s": pps, "median_pairs_per_s": statistics.median(pps), "steps": by[0, name]["steps"],
+                 "peak_rss_mb": rss, "median_peak_rss_mb": statistics.median(rss),
                  "positions_per_pair": by[0, name]["positions_per_pair"], "train_loss": by[0, name]["train_loss"],
                  "activation_checkpointing": by[0, name]["activation_checkpointing"]}
         if reference in configs:
             ratios = [by[r, name]["pairs_per_s"] / by[r, reference]["pairs_per_s"] for r in range(repeats)]
             entry["ratios_vs_trl"] = ratios
             entry["median_ratio_vs_trl"] = statistics.median(ratios)
+            entry["median_rss_ratio_vs_trl"] = statistics.median(
+                by[r, name]["peak_rss_mb"] / by[r, reference]["peak_rss_mb"] for r in range(repeats))
         summary[name] = entry
     return summary
 
 
 def pairs_table(summary: dict) -> str:
-    lines = ["| config | median pairs/s | median ratio vs TRL | positions computed per pair | train loss |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| config | median pairs/s | median ratio vs TRL | median peak RSS MB | peak RSS vs TRL "
+             "| positions computed per pair | train loss |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, entry in summary.items():
         ratio = f"{entry['median_ratio_vs_trl']:.2f}×" if "median_ratio_vs_trl" in entry else "–"
-        lines.append(f"| {name} | {entry['median_pairs_per_s']:,.1f} | {ratio} | {entry['positions_per_pair']:.1f} "
-                     f"| {entry['train_loss']:.4f} |")
+        rss_ratio = f"{entry['median_rss_ratio_vs_trl']:.2f}×" if "median_rss_ratio_vs_trl" in entry else "–"
+        lines.append(f"| {name} | {entry['median_pairs_per_s']:,.1f} | {ratio} | {entry['median_peak_rss_mb']:,.0f} "
+                     f"| {rss_ratio} | {entry['positions_per_pair']:.1f} | {entry['train_loss']:.4f} |")
     return "\n".join(lines)
 
 
@@ -159,7 +165,11 @@ def pair_benchmark_main(argv: list[str] | None, *, script: str, description: str
         settings = configure(cli, settings)
 
     if cli.worker:
-        print(json.dumps(worker(cli.worker, settings, cli.threads)))
+        import resource
+
+        run = worker(cli.worker, settings, cli.threads)
+        run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the whole worker's (Linux: KiB)
+        print(json.dumps(run))
         return
 
     configs = [c.strip() for c in cli.configs.split(",") if c.strip()]
