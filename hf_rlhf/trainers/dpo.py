@@ -144,6 +144,8 @@ class DPOTrainer(BaseTrainer):
             if args.disable_dropout:
                 disable_dropout(ref_model)
             ref_model.eval().requires_grad_(False)
+            if set_router_aux_loss(ref_model, None):  # an MoE reference: only its logits are used, no router loss
+                set_router_aux_loss(ref_model, 0.0)  # (its 4D prefix-sharing mask is not one the router loss reads)
 
         prepare = lambda d, name: self._prepare(d, processing_class, args, name, id(d) in checked)  # noqa: E731
         train_dataset = prepare(train_dataset, "train")

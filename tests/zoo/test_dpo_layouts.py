@@ -14,10 +14,12 @@ from zoo_models import MODEL_TYPES, TOKENIZER, build
 PAIRS = preference_dataset(6, seed=3, split="train")
 
 
-def make_trainer(tmp_path, model, layout=None, check=True):
-    """`layout`: None (TRL's padded), "prefix_sharing" or "padding_free"."""
+def make_trainer(tmp_path, model, layout=None, check=True, router_loss_off=True):
+    """`layout`: None (TRL's padded), "prefix_sharing" or "padding_free". An MoE model's load-balancing loss is off
+    in all three (prefix sharing switches it off, with a warning): the DPO losses are compared."""
+    moe = {"router_aux_loss_coef": 0.0} if router_loss_off and hasattr(model.config, "router_aux_loss_coef") else {}
     args = DPOConfig(output_dir=str(tmp_path / "out"), report_to="none", max_length=64, save_strategy="no",
-                     disable_tqdm=True, packing_check=check, **({layout: True} if layout else {}))
+                     disable_tqdm=True, packing_check=check, **({layout: True} if layout else {}), **moe)
     return DPOTrainer(model, args=args, train_dataset=PAIRS, processing_class=TOKENIZER)
 
 
@@ -51,3 +53,18 @@ def test_layout_equals_padded_or_refuses(tmp_path, record_property, model_type, 
     assert_close(shared, padded, atol=1e-5, rtol=1e-5)
     assert_close(shared_loss, padded_loss, atol=1e-5, rtol=1e-5)
     print(f"{model_type} {layout}: max |logp diff| {(shared - padded).abs().max().item():.2e}")
+
+
+def test_moe_prefix_sharing_with_the_default_router_loss_runs_its_frozen_reference(tmp_path, caplog):
+    """Prefix sharing on an MoE policy with the config's router loss: the loss is switched off (with a warning) on the
+    policy and on its frozen copy, whose forward with the 4D mask used to fail inside the router loss."""
+    import logging
+
+    model = build("qwen2_moe", seed=1).eval()
+    model.config.output_router_logits = True  # as a checkpoint saved for training would have it
+    with caplog.at_level(logging.WARNING, logger="hf_rlhf"):
+        trainer = make_trainer(tmp_path, model, "prefix_sharing", router_loss_off=False)
+    assert "load-balancing loss is not added" in caplog.text
+    assert trainer.ref_model is not None and not trainer.ref_model.config.output_router_logits
+    loss = logps_and_loss(trainer)[1]
+    assert torch.isfinite(loss)
