@@ -99,23 +99,7 @@ def worker(name: str, settings: dict, threads: int) -> dict:
         start = time.perf_counter()
         result = trainer.train()
         seconds = time.perf_counter() - start
-    args = trainer.args
-    return {
-        "config": name,
-        "seconds": seconds,
-        "pairs": counter.pairs,
-        "pairs_per_s": counter.pairs / seconds,
-        "real_tokens": counter.real_tokens,
-        "positions_per_pair": counter.positions / max(counter.pairs, 1),  # token positions the model computed on
-        "steps": trainer.state.global_step,
-        "train_loss": result.training_loss,
-        "bf16": bool(args.bf16),
-        "activation_checkpointing": bool(args.gradient_checkpointing or getattr(args, "activation_checkpointing", 0)),
-        "attn": trainer.model.config._attn_implementation,
-        "threads": torch.get_num_threads(),
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
-    }
+    return harness.pair_run_record(name, trainer, counter, result, seconds, load_before)
 
 
 # ----------------------------------------------------------------------------------------------- parent side

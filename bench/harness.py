@@ -84,6 +84,30 @@ def finish(output: str, command: str, report: dict, packages: tuple[str, ...], s
 # bench/reward.py and bench/dpo.py: pairs/s of hf_rlhf's pair layouts against TRL's trainer, same driver
 
 
+def pair_run_record(name: str, trainer, counter, result, seconds: float, load_before: float) -> dict:
+    """What a pair benchmark's worker reports of one `trainer.train()`: `counter` (the collator wrapper) counted the
+    pairs, real tokens and positions computed; `result` is train()'s output, `seconds` its wall time."""
+    import torch
+
+    args = trainer.args
+    return {
+        "config": name,
+        "seconds": seconds,
+        "pairs": counter.pairs,
+        "pairs_per_s": counter.pairs / seconds,
+        "real_tokens": counter.real_tokens,
+        "positions_per_pair": counter.positions / max(counter.pairs, 1),  # token positions the model computed on
+        "steps": trainer.state.global_step,
+        "train_loss": result.training_loss,
+        "bf16": bool(args.bf16),
+        "activation_checkpointing": bool(args.gradient_checkpointing or getattr(args, "activation_checkpointing", 0)),
+        "attn": trainer.model.config._attn_implementation,
+        "threads": torch.get_num_threads(),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
+
+
 def check_same_pair_work(runs: list[dict], settings: dict, loss_exempt: tuple[str, ...] = ()) -> None:
     """Every run trained on every pair once, on the same real tokens, fp32 (the losses agree: same data order;
     configurations in `loss_exempt` compute the loss another way and are not compared)."""
