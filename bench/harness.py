@@ -84,11 +84,34 @@ def finish(output: str, command: str, report: dict, packages: tuple[str, ...], s
 # bench/reward.py and bench/dpo.py: pairs/s of hf_rlhf's pair layouts against TRL's trainer, same driver
 
 
-def pair_run_record(name: str, trainer, counter, result, seconds: float, load_before: float) -> dict:
-    """What a pair benchmark's worker reports of one `trainer.train()`: `counter` (the collator wrapper) counted the
-    pairs, real tokens and positions computed; `result` is train()'s output, `seconds` its wall time."""
+class CountingCollator:
+    """Wraps a collator; counts the pairs and real tokens (`real_tokens(feature)`) it received and the positions the
+    model computes on."""
+
+    def __init__(self, collator, real_tokens):
+        self.collator, self.count_tokens = collator, real_tokens
+        self.pairs = self.real_tokens = self.positions = 0
+
+    def __call__(self, features):
+        self.pairs += len(features)
+        self.real_tokens += sum(self.count_tokens(f) for f in features)
+        batch = self.collator(features)
+        self.positions += batch["input_ids"].numel()
+        return batch
+
+
+def train_pairs(name: str, trainer, real_tokens) -> dict:
+    """Run `trainer.train()` with its collator counted (`CountingCollator`) and timed; what a pair benchmark's worker
+    reports of it."""
+    import time
+
     import torch
 
+    counter = trainer.data_collator = CountingCollator(trainer.data_collator, real_tokens)
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    result = trainer.train()
+    seconds = time.perf_counter() - start
     args = trainer.args
     return {
         "config": name,

@@ -21,9 +21,7 @@ pairs/s = pairs trained on / wall time of `trainer.train()` (model and dataset p
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
@@ -38,19 +36,9 @@ HF_LAYOUTS = {"padded": {}, "padding_free": {"padding_free": True}, "prefix_shar
 
 
 # ----------------------------------------------------------------------------------------------- worker side
-class CountingCollator:
-    """Wraps a collator; counts the pairs and real tokens it received and the positions the model computes on."""
-
-    def __init__(self, collator):
-        self.collator = collator
-        self.pairs = self.real_tokens = self.positions = 0
-
-    def __call__(self, features):
-        self.pairs += len(features)
-        self.real_tokens += sum(len(f["chosen_ids"]) + len(f["rejected_ids"]) for f in features)
-        batch = self.collator(features)
-        self.positions += batch["input_ids"].numel()
-        return batch
+def real_tokens(feature: dict) -> int:
+    """The tokens of one pair as both sequences hold them."""
+    return len(feature["chosen_ids"]) + len(feature["rejected_ids"])
 
 
 def build_trainer(name: str, model, tokenizer, dataset, settings: dict, output_dir: str):
@@ -83,12 +71,7 @@ def worker(name: str, settings: dict, threads: int) -> dict:
     model = build_toy_reward_model(tokenizer, settings["size"], seed=0)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON
         trainer = build_trainer(name, model, tokenizer, dataset, settings, tmp)
-        counter = trainer.data_collator = CountingCollator(trainer.data_collator)
-        load_before = os.getloadavg()[0]
-        start = time.perf_counter()
-        result = trainer.train()
-        seconds = time.perf_counter() - start
-    return harness.pair_run_record(name, trainer, counter, result, seconds, load_before)
+        return harness.train_pairs(name, trainer, real_tokens)
 
 
 # ----------------------------------------------------------------------------------------------- parent side
