@@ -19,7 +19,7 @@ import difflib
 import os
 import sys
 
-from .errors import RecipeOptionError, run_recipe
+from .errors import RecipeOptionError, close_process_group, run_recipe
 
 PROG = "hf-rlhf"
 
@@ -114,11 +114,12 @@ def run_training(command: str, argv: list[str]) -> int:
     if command == "chain":
         recipe_args = [*CHAIN_DEFAULTS, *recipe_args]  # options given win: argparse keeps the last value
     sys.argv[0] = f"{PROG} {command}"  # the recipe's messages and argparse's usage name the subcommand
-    results = run_recipe(lambda: module.main(recipe_args))
+    results = run_recipe(lambda: module.main(recipe_args), close=False)
     if command == "chain" and results:
         from .printing import print_chain_summary
 
         print_chain_summary_for(results, module, recipe_args, print_chain_summary)
+    close_process_group()
     return 0
 
 

@@ -23,6 +23,8 @@ import sys
 
 import torch
 
+from hf_rlhf.cli.errors import close_process_group
+
 TASKS = ("sft", "sft_lora", "reward", "dpo", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic")
 # PPOTrainer's critic-free estimators, each with the options whose statistics cross ranks: GRPO's k3 in the loss with
 # the per-sequence loss_type, RLOO's batch-whitened advantages, REINFORCE++'s globally whitened returns
@@ -165,6 +167,7 @@ def run_recipe(name: str, out: str, recipe_argv: list[str], writes: list[str]) -
     recorded = sorted(set(writes))
     with open(os.path.join(out, f"rank{state.process_index}.json"), "w") as f:
         json.dump({"writes": recorded, "after": results.get("after", {})}, f)
+    close_process_group()  # as the recipes end (run_recipe): no gloo abort at interpreter exit
 
 
 def main(argv=None) -> None:
@@ -215,6 +218,7 @@ def main(argv=None) -> None:
     with open(os.path.join(opts.out, f"rank{rank}.json"), "w") as f:
         json.dump({"kl_coef": kl.controller.value if kl is not None else None, "writes": recorded,
                    "generate_calls": getattr(trainer, "generate_calls", None)}, f)
+    close_process_group()
 
 
 if __name__ == "__main__":
