@@ -168,7 +168,7 @@ def reloaded_outputs(task: str, out: Path) -> torch.Tensor:
             assert {k: v.shape for k, v in head.items()}["weight"] == (1, model.config.hidden_size)
             logits = torch.cat([logits.flatten(), head["weight"].flatten()])
         return logits
-    if task == "sft_lora":
+    if task in ("sft_lora", "dpo_lora"):
         model = PeftModel.from_pretrained(build_toy_model(tokenizer, "tiny", seed=0), out).eval()
         return model(input_ids=ids, attention_mask=mask).logits
     # reward: the LoRA adapter with its trained score head (modules_to_save)
@@ -204,6 +204,24 @@ def test_two_processes_match_one(runs, engine, task):
     # saved by rank 0 with the weights gathered (ZeRO-3), reloaded here: the single-process run's model
     torch.testing.assert_close(reloaded_outputs(task, multi["out"] / "out"),
                                reloaded_outputs(task, single["out"] / "out"), atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("engine", [engine_param(e) for e in ("ddp", "deepspeed_zero3")])
+def test_dpo_with_lora_two_processes_match_one(runs, engine):
+    """DPO of a LoRA policy, whose reference is the same model with its adapters off (under ZeRO-3 a sharded model
+    switched off and on inside each step): 2 ranks give the single-process losses and reward margins, only the
+    adapter trains, and the saved adapter reloads to the same logits."""
+    single, multi = runs.get(None, "dpo_lora"), runs.get(engine, "dpo_lora")
+    assert multi["world_size"] == 2 and len(multi["loss"]) == len(single["loss"]) == STEPS
+    diff = max(abs(a - b) for a, b in zip(multi["loss"], single["loss"]))
+    assert diff <= TOLERANCE, (multi["loss"], single["loss"])
+    margins = [[h["rewards/margins"] for h in run["log_history"] if "rewards/margins" in h] for run in (multi, single)]
+    assert len(margins[1]) == STEPS and margins[0] == pytest.approx(margins[1], abs=TOLERANCE), margins
+    assert single["loss"][-1] < single["loss"][0]  # it trained (the first step's loss is log 2 at ref = policy)
+    assert (multi["out"] / "out" / "adapter_model.safetensors").is_file()
+    assert not (multi["out"] / "out" / "model.safetensors").exists()  # the adapter alone, not a merged copy
+    torch.testing.assert_close(reloaded_outputs("dpo_lora", multi["out"] / "out"),
+                               reloaded_outputs("dpo_lora", single["out"] / "out"), atol=TOLERANCE, rtol=0)
 
 
 @needs_deepspeed

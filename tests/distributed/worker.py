@@ -25,7 +25,7 @@ import torch
 
 from hf_rlhf.cli.errors import close_process_group
 
-TASKS = ("sft", "sft_lora", "reward", "dpo", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic")
+TASKS = ("sft", "sft_lora", "reward", "dpo", "dpo_lora", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic")
 # PPOTrainer's critic-free estimators, each with the options whose statistics cross ranks: GRPO's k3 in the loss with
 # the per-sequence loss_type, RLOO's batch-whitened advantages, REINFORCE++'s globally whitened returns
 ESTIMATORS = {
@@ -130,6 +130,11 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
         model = build_toy_model(tokenizer, "tiny", seed=0)
         args = DPOConfig(**common, learning_rate=3e-3, max_length=64, loss_type="sigmoid", beta=0.5)
         return DPOTrainer(model, args=args, processing_class=tokenizer,
+                          train_dataset=preference_dataset(256, seed=1, split="train"))
+    if task == "dpo_lora":  # LoRA policy: the reference is the same model with its adapters off (no second model)
+        model = build_toy_model(tokenizer, "tiny", seed=0)
+        args = DPOConfig(**common, learning_rate=1e-2, max_length=64, loss_type="sigmoid", beta=0.5)
+        return DPOTrainer(model, args=args, processing_class=tokenizer, model_config=lora,
                           train_dataset=preference_dataset(256, seed=1, split="train"))
     # PPO: full policy (a frozen reference copy) with a value head; one rollout = one optimizer step, so the micro-
     # batch order inside a rollout (seeded per rank) changes only the order of a sum; adaptive KL with a short
