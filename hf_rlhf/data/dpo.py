@@ -10,7 +10,10 @@
   mid-word) is no boundary a user gave: those rows are tokenized as whole texts, `joint`, either way;
 - conversations: the chat template, the prompt rendered with the generation prompt; a row's `tools` (JSON or list)
   and `chat_template_kwargs` are passed to it;
-- already tokenized rows (`prompt_ids`, `chosen_ids`, `rejected_ids`) are used as they are.
+- already tokenized rows (`prompt_ids`, `chosen_ids`, `rejected_ids`) are used as they are;
+- a streamed `IterableDataset` is prepared lazily, as TRL 1.16's (nothing is read up front but its first row, for the
+  format): each row is checked as it streams, just before it is tokenized, so an error names its index in the stream
+  and its field; the over-long policy is a lazy filter; nothing is counted ahead.
 
 Over-long rows (`max_length`, per sequence prompt + completion): `overlong_policy="truncate"` (the default) leaves the
 cut to the collator (TRL's `truncation_mode`), after dropping rows whose prompt alone fills `max_length` with
@@ -25,7 +28,15 @@ from datasets import Dataset
 from trl.data_utils import extract_prompt, is_conversational
 
 from ..configs import DataOptions
-from .preference import check_preference_rows
+from .preference import (
+    PreferenceDataOptions,
+    check_preference_row,
+    check_preference_rows,
+    detect_preference_format,
+    field_checks,
+    resolve_use_margin,
+)
+from .streaming import first_rows, is_streamed, stream_columns
 from .tokenization import (
     BOUNDARY_COLUMN,
     check_chat_template,
@@ -33,7 +44,7 @@ from .tokenization import (
     log_boundary_rows,
     resolve_chat_template,
 )
-from .validation import DataValidationError, Verbatim, as_dataset, column_names
+from .validation import ABSENT, DataValidationError, Verbatim, as_dataset, column_names
 
 DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
@@ -53,6 +64,19 @@ def _tokenize(tokenizer, value, **template_kwargs) -> list[int]:
     if isinstance(value, list):  # messages
         return list(tokenizer.apply_chat_template(value, tokenize=True, return_dict=True, **template_kwargs)["input_ids"])
     return list(tokenizer(text=value)["input_ids"])
+
+
+def _eos_token(tokenizer, options) -> str:
+    eos = options.eos_token or tokenizer.eos_token
+    if eos is None:
+        raise DataValidationError(None, "eos_token", "an end-of-sequence token (the tokenizer has none; set "
+                                  "DPOConfig.eos_token)", Verbatim("None"))
+    return eos
+
+
+def add_eos(row: dict, eos: str) -> dict:
+    """A plain-text pair's completions, each ending in `eos` (added where missing, as TRL)."""
+    return {side: row[side] if row[side].endswith(eos) else row[side] + eos for side in ("chosen", "rejected")}
 
 
 def tokenize_dpo_row(row: dict, tokenizer, prompt_tokenization: str = "apart") -> dict:
@@ -100,8 +124,11 @@ def prepare_dpo_dataset(dataset, tokenizer, options, rows_checked: bool = False)
         rows_checked: `check_dpo_rows` already passed.
 
     Returns:
-        A `Dataset` with `prompt_ids`, `chosen_ids`, `rejected_ids` (completion tokens), and any other column kept.
+        A `Dataset` with `prompt_ids`, `chosen_ids`, `rejected_ids` (completion tokens), and any other column kept
+        (an `IterableDataset`, prepared lazily, for a stream).
     """
+    if is_streamed(dataset):
+        return _prepare_streamed(dataset, tokenizer, options)
     dataset = as_dataset(dataset)
     if set(DPO_COLUMNS) <= set(dataset.column_names):
         return dataset
@@ -116,15 +143,8 @@ def prepare_dpo_dataset(dataset, tokenizer, options, rows_checked: bool = False)
         resolve_chat_template(tokenizer, options.chat_template_path)
         check_chat_template(tokenizer, "conversational", False, "DPOConfig.chat_template_path")
     else:
-        eos = options.eos_token or tokenizer.eos_token
-        if eos is None:
-            raise DataValidationError(None, "eos_token", "an end-of-sequence token (the tokenizer has none; set "
-                                      "DPOConfig.eos_token)", Verbatim("None"))
-
-        def add_eos(row):
-            return {side: row[side] if row[side].endswith(eos) else row[side] + eos for side in ("chosen", "rejected")}
-
-        dataset = dataset.map(add_eos, num_proc=options.dataset_num_proc, desc="Adding eos")
+        dataset = dataset.map(add_eos, fn_kwargs={"eos": _eos_token(tokenizer, options)},
+                              num_proc=options.dataset_num_proc, desc="Adding eos")
     dataset = dataset.map(tokenize_dpo_row, fn_kwargs={"tokenizer": tokenizer, "prompt_tokenization": mode},
                           num_proc=options.dataset_num_proc, desc="Tokenizing DPO pairs")
     if not implicit:
@@ -145,3 +165,46 @@ def prepare_dpo_dataset(dataset, tokenizer, options, rows_checked: bool = False)
         raise DataValidationError(over[0], "chosen/rejected", f"prompt + completion of at most max_length="
                                   f"{max_length} tokens (overlong_policy='error')", Verbatim(f"{lengths[over[0]]} tokens"))
     return dataset.select([i for i in range(len(dataset)) if lengths[i] <= max_length]) if over else dataset
+
+
+def _prepare_streamed(dataset, tokenizer, options):
+    """`prepare_dpo_dataset` for an `IterableDataset`: the same rows, mapped lazily (see the module docstring)."""
+    head = first_rows(dataset)[0]
+    columns = stream_columns(dataset, head)
+    if set(DPO_COLUMNS) <= set(columns):
+        return dataset
+    fmt = detect_preference_format([head])
+    checks = field_checks(fmt, resolve_use_margin(PreferenceDataOptions.from_options(options).use_margin, columns))
+
+    def check(row, index):  # before anything reads the row: a bad one fails naming its index and field
+        check_preference_row(index, {field: row.get(field, ABSENT) for field in checks}, fmt, checks)
+        return {}
+
+    dataset = dataset.map(check, with_indices=True)
+    implicit = "prompt" not in columns
+    if implicit:
+        dataset = dataset.map(extract_prompt)
+    if fmt.startswith("conversational"):
+        resolve_chat_template(tokenizer, options.chat_template_path)
+        check_chat_template(tokenizer, "conversational", False, "DPOConfig.chat_template_path")
+    else:
+        dataset = dataset.map(add_eos, fn_kwargs={"eos": _eos_token(tokenizer, options)})
+    mode = "joint" if implicit else getattr(options, "prompt_tokenization", "apart")
+    dataset = dataset.map(tokenize_dpo_row, fn_kwargs={"tokenizer": tokenizer, "prompt_tokenization": mode})
+    dataset = dataset.remove_columns([BOUNDARY_COLUMN])  # a stream is not counted ahead
+    max_length, policy = options.max_length, getattr(options, "overlong_policy", "truncate")
+    if max_length is None:
+        return dataset
+    if policy == "truncate":  # the collator cuts; a prompt that fills max_length leaves no completion (keep_start)
+        if getattr(options, "truncation_mode", "keep_start") != "keep_start":
+            return dataset
+        return dataset.filter(lambda row: len(row["prompt_ids"]) < max_length)
+
+    def keep(row, index):
+        length = len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
+        if length > max_length and policy == "error":
+            raise DataValidationError(index, "chosen/rejected", f"prompt + completion of at most max_length="
+                                      f"{max_length} tokens (overlong_policy='error')", Verbatim(f"{length} tokens"))
+        return length <= max_length
+
+    return dataset.filter(keep, with_indices=True)

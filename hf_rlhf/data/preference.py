@@ -136,7 +136,8 @@ def check_token_ids(row: int, field: str, value) -> None:
         raise DataValidationError(row, field, expected, value)
 
 
-def _field_checks(fmt: str, use_margin: bool) -> dict:
+def field_checks(fmt: str, use_margin: bool) -> dict:
+    """{field: check(row_index, field, value)} for a row of preference format `fmt` (`check_preference_row`)."""
     explicit = fmt.endswith("explicit_prompt")
     if fmt == "tokenized":
         checks = {"chosen_ids": check_token_ids, "rejected_ids": check_token_ids}
@@ -167,7 +168,7 @@ def validate_preference_dataset(dataset, fmt: str, use_margin: bool = False) -> 
     """
     if fmt not in PREFERENCE_FORMATS:
         raise ValueError(f"unknown preference format {fmt!r}; expected one of {PREFERENCE_FORMATS}")
-    checks = _field_checks(fmt, use_margin)
+    checks = field_checks(fmt, use_margin)
     check_not_empty(dataset)
     for index, row in iter_rows(dataset, list(checks)):
         check_preference_row(index, row, fmt, checks)
@@ -180,7 +181,7 @@ def check_preference_row(index: int, row: dict, fmt: str, checks: dict) -> None:
         index: the row's index, for the error.
         row: {field: value} for every field of `checks`.
         fmt: one of `PREFERENCE_FORMATS`.
-        checks: `{field: check}` (`_field_checks`).
+        checks: `{field: check}` (`field_checks`).
     """
     for field, check in checks.items():
         check(index, field, row.get(field, ABSENT))
@@ -275,7 +276,8 @@ def _tokenize_pair(row: dict, index: int, spec: _PairTokenizeSpec) -> dict:
     return out
 
 
-def _resolve_use_margin(use_margin: bool | None, columns: list[str]) -> bool:
+def resolve_use_margin(use_margin: bool | None, columns: list[str]) -> bool:
+    """The margin column is used when asked, or by default (None) when there is one."""
     if use_margin is None:
         return "margin" in columns
     if use_margin and "margin" not in columns:
@@ -294,7 +296,7 @@ def check_preference_rows(dataset, options: DataOptions) -> str:
     """
     opts = PreferenceDataOptions.from_options(options)
     fmt = detect_preference_format(dataset)
-    validate_preference_dataset(dataset, fmt, _resolve_use_margin(opts.use_margin, column_names(dataset)))
+    validate_preference_dataset(dataset, fmt, resolve_use_margin(opts.use_margin, column_names(dataset)))
     return fmt
 
 
@@ -326,7 +328,7 @@ def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_
     streamed = is_streamed(dataset)
     head = first_rows(dataset) if streamed else dataset
     fmt = detect_preference_format(head)
-    use_margin = _resolve_use_margin(opts.use_margin, column_names(head))
+    use_margin = resolve_use_margin(opts.use_margin, column_names(head))
     if not streamed and not rows_checked:
         validate_preference_dataset(dataset, fmt, use_margin)
 
@@ -341,7 +343,7 @@ def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_
 
     # step 3. tokenize (and truncate), then apply the overlong policy
     spec = _PairTokenizeSpec(fmt, tokenizer, prefix, eos_id, opts.max_length, opts.overlong_policy == "truncate",
-                             use_margin, _field_checks(fmt, use_margin) if streamed else None, opts.prompt_tokenization)
+                             use_margin, field_checks(fmt, use_margin) if streamed else None, opts.prompt_tokenization)
     tokenized, stats = tokenize_rows(dataset, _tokenize_pair, spec, opts, LENGTH_FIELD,
                                      "Tokenizing preference pairs", head[0] if streamed else None,
                                      tokenizer if fmt != "tokenized" else None, ("chosen_ids", "rejected_ids"), owner)

@@ -32,7 +32,7 @@ from ..collators.dpo import PaddingFreePreferenceCollator, PrefixSharedPreferenc
 from ..configs import DPOConfig, ModelConfig
 from ..data import ensure_pad_token, main_process_first_if_cached
 from ..data.dpo import check_dpo_rows, prepare_dpo_dataset
-from ..data.streaming import is_streamed
+from ..data.streaming import check_streamed_training, is_streamed
 from ..models import check_trainable, resolve_model, router_aux_loss_coef, set_router_aux_loss
 from ..packing_check import check_packing_exact
 from ..preference_losses import (
@@ -211,9 +211,12 @@ class DPOTrainer(BaseTrainer):
     def _prepare(dataset, tokenizer, args, name, rows_checked):
         if dataset is None:
             return None
+        if name == "train":
+            check_streamed_training(args, dataset)
         with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
             prepared = prepare_dpo_dataset(dataset, tokenizer, args, rows_checked=rows_checked)
-        logger.info("%s dataset: %d pairs", name, len(prepared))
+        if not is_streamed(prepared):  # a stream is prepared lazily, as it is read
+            logger.info("%s dataset: %d pairs", name, len(prepared))
         return prepared
 
     # -- reference log-probs -------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Streamed datasets (`load_dataset("json", ..., streaming=True)`) for SFT and reward training.
+"""Streamed datasets (`load_dataset("json", ..., streaming=True)`) for SFT, reward and DPO training.
 
 - prepared lazily, a stream yields exactly the rows the in-memory preparation gives (every SFT format, preference
   pairs), and packing on the fly gives rows of at most `max_length` holding every token;
@@ -11,8 +11,9 @@ import pytest
 import torch
 from datasets import IterableDataset, load_dataset
 
-from hf_rlhf import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from hf_rlhf import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from hf_rlhf.data import DataValidationError, prepare_preference_dataset, prepare_sft_dataset
+from hf_rlhf.data.dpo import prepare_dpo_dataset
 from hf_rlhf.toy import build_toy_model, build_toy_reward_model, preference_dataset, sft_dataset
 
 pytestmark = pytest.mark.integration
@@ -133,4 +134,78 @@ def test_streamed_reward_trains(tmp_path, tokenizer):
     assert len(logs) == 3 and {"accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens"} <= set(
         logs[0])
     assert "reward_mean" in metrics and metrics["reward_std"] > 0
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def implicit_prompt(pairs):
+    """The same pairs with the prompt inside both texts (TRL's implicit-prompt format)."""
+    return pairs.map(lambda r: {"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]},
+                     remove_columns=["prompt"])
+
+
+@pytest.mark.parametrize("fmt", ["explicit", "implicit", "conversational"])
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_streamed_dpo_rows_equal_in_memory_rows(tmp_path, tokenizer, fmt, policy):
+    pairs = preference_dataset(16, seed=0, conversational=fmt == "conversational")
+    pairs = implicit_prompt(pairs) if fmt == "implicit" else pairs
+    args = DPOConfig(output_dir=str(tmp_path / "out"), max_length=12, overlong_policy=policy, use_cpu=True)
+    expected = prepare_dpo_dataset(pairs, tokenizer, args).to_list()
+    assert 0 < len(expected) <= 16
+    if policy == "drop":
+        assert len(expected) < 16  # some pairs over max_length: dropped the same way
+    assert list(prepare_dpo_dataset(stream(pairs, tmp_path), tokenizer, args)) == expected
+
+
+def test_bad_streamed_dpo_row_names_row_and_field_when_it_streams(tmp_path, tokenizer):
+    from datasets import Dataset
+
+    pairs = preference_dataset(8, seed=0).to_list()
+    pairs[5]["rejected"] = pairs[5]["chosen"]
+    args = DPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True)
+    prepared = prepare_dpo_dataset(stream(Dataset.from_list(pairs), tmp_path), tokenizer, args)  # lazy
+    it = iter(prepared)
+    for _ in range(5):
+        next(it)  # rows 0-4 are fine
+    with pytest.raises(DataValidationError, match=r"row 5, field 'rejected': expected a response different"):
+        next(it)
+
+    args = DPOConfig(output_dir=str(tmp_path / "out"), max_length=10, overlong_policy="error", use_cpu=True)
+    lengths = [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"]))
+               for r in prepare_dpo_dataset(preference_dataset(8, seed=0), tokenizer, DPOConfig(
+                   output_dir=str(tmp_path / "out"), use_cpu=True))]
+    first = next(i for i, n in enumerate(lengths) if n > 10)
+    with pytest.raises(DataValidationError, match=rf"row {first}, field 'chosen/rejected': expected prompt \+ "
+                                                  r"completion of at most max_length=10"):
+        list(prepare_dpo_dataset(stream(preference_dataset(8, seed=0), tmp_path, "pairs.jsonl"), tokenizer, args))
+
+
+def test_dpo_trains_on_an_endless_stream(tmp_path, tokenizer):
+    """A stream with no end (a generator of pairs) trains max_steps batches: nothing reads it whole up front (it was
+    loaded into memory before, which never returns on an endless stream; this one raises past 1,000 rows)."""
+    from datasets import IterableDataset
+
+    pairs = preference_dataset(64, seed=0).to_list()
+    read = []
+
+    def endless():
+        for i in range(1000):
+            read.append(i)
+            yield pairs[i % len(pairs)]
+        raise RuntimeError("the stream was read past 1,000 rows")
+
+    streamed = IterableDataset.from_generator(endless)
+    model = build_toy_model(tokenizer)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=4, max_steps=3, logging_steps=1,
+                     report_to="none", save_strategy="no", learning_rate=1e-3, max_length=32, use_cpu=True,
+                     disable_tqdm=True, beta=0.5)
+    with pytest.raises(ValueError, match="set max_steps > 0"):
+        DPOTrainer(model, args=DPOConfig(output_dir=str(tmp_path / "x"), use_cpu=True, max_steps=-1),
+                   train_dataset=streamed, processing_class=tokenizer)
+    trainer = DPOTrainer(model, args=args, train_dataset=streamed, processing_class=tokenizer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3 and {"rewards/chosen", "rewards/margins", "logps/chosen", "logits/rejected"} <= set(logs[0])
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    assert len(read) < 100  # a few batches' worth (and look-aheads), not the stream
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
