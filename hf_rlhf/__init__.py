@@ -16,6 +16,8 @@ _LAZY = {
     "DPOConfig": "hf_rlhf.configs",
     "DPOTrainer": "hf_rlhf.trainers.dpo",
     "FixedKLController": "hf_rlhf.ppo.kl",
+    "GRPOConfig": "hf_rlhf.ppo.grpo_config",
+    "GRPOTrainer": "hf_rlhf.trainers.grpo",
     "ModelConfig": "hf_rlhf.configs",
     "PPOConfig": "hf_rlhf.ppo.config",
     "PPOTrainer": "hf_rlhf.trainers.ppo",
@@ -32,8 +34,10 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 if TYPE_CHECKING:  # pragma: no cover
     from .configs import DPOConfig, ModelConfig, RewardConfig, SFTConfig
     from .ppo.config import PPOConfig
+    from .ppo.grpo_config import GRPOConfig
     from .ppo.kl import AdaptiveKLController, FixedKLController
     from .trainers.dpo import DPOTrainer
+    from .trainers.grpo import GRPOTrainer
     from .trainers.ppo import PPOTrainer
     from .trainers.reward import RewardTrainer
     from .trainers.sft import SFTTrainer

@@ -118,6 +118,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         kl_in_loss: the KL term goes into the loss, β·KL per token with `kl_estimator` (GRPO's: k3), instead of the
             reward; β is still the controller's (fixed or adaptive). With it off, critic-free estimators subtract
             β·Σ_t KL_t from each score before the baseline (as TRL's RLOO), reinforce_pp per token.
+        use_bias_correction_kl: with kl_in_loss, each token's KL is multiplied by the importance ratio (TRL GRPO's
+            option, on by default in `GRPOConfig`; the ratio is 1 in value on the first pass but carries a gradient).
         loss_type: how the policy loss is reduced (TRL's GRPO names): `dapo` (token mean over the optimizer step's
             minibatch: the default, PPO's), `bnpo` (token mean per micro-batch), `grpo` (mean over sequences of
             each sequence's token mean) or `dr_grpo` (token sum / (sequences x response_length)).
@@ -256,6 +258,10 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     max_num_gen_batches: int = field(
         default=10, metadata={"help": "filter_groups: most generation rounds per rollout (veRL's name); a rollout "
                                       "still short after them is completed with dropped groups."},
+    )
+    use_bias_correction_kl: bool = field(
+        default=False, metadata={"help": "kl_in_loss: weight each token's KL by the importance ratio (with its "
+                                         "gradient), as TRL's GRPO (its default there; GRPOConfig's here)."},
     )
     max_tool_calling_iterations: int | None = field(
         default=None, metadata={"help": "With tools: most rounds of tool calls per rollout (TRL's name); None: no "

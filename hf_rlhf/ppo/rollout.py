@@ -130,6 +130,8 @@ class RolloutMaker:
         stats.update(filter_stats)
         if self.tool_rollout is not None:
             stats.update(self._tool_stats())
+        # per row, before the truncated ones leave the loss: what a trainer's completion metrics read
+        self.last_lengths, self.last_stopped = response_mask.sum(1), stopped
         if args.mask_truncated_completions:  # counted in the baselines above, left out of the loss (as TRL)
             experience.response_mask = truncated_loss_mask(response_mask, stopped)
         return experience, stats

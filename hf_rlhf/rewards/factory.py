@@ -39,6 +39,10 @@ def build_reward_source(reward_model, reward_processing_class=None, *, batch_siz
         ValueError: a path that holds no reward model (the message lists what it holds).
         TypeError: anything else that is not a reward source.
     """
+    if callable(getattr(reward_model, "build", None)) and getattr(reward_model, "is_reward_source", False):
+        # several sources in one (`WeightedRewards`, TRL's reward_funcs list): each built as below
+        return reward_model.build(reward_processing_class, batch_size=batch_size, model_config=model_config,
+                                  device=device, policy=policy, policy_tokenizer=policy_tokenizer)
     if isinstance(reward_model, str) and reward_model.startswith(ADAPTER_PREFIX):
         reward_model = RewardAdapter(reward_model.removeprefix(ADAPTER_PREFIX))
     if isinstance(reward_model, RewardAdapter):

@@ -39,7 +39,7 @@ from ..ppo.experience import Experience
 from ..ppo.critic_free import aggregate_loss
 from ..ppo.kl import kl_penalty, sequence_policy_stats
 from ..ppo.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator, validate_prompt_dataset
-from ..ppo.losses import policy_loss_per_token, value_loss
+from ..ppo.losses import importance_log_weights, policy_loss_per_token, value_loss
 from ..ppo.multiturn import ToolRollout
 from ..ppo.policy_value import PolicyAndValue, response_logits
 from ..ppo.rollout import KL_METRICS, RolloutMaker, stop_token_id_of
@@ -393,6 +393,9 @@ class PPOTrainer(BaseTrainer):
         per_token_loss, sums = per_token_pg, {"loss/policy_avg": masked_sum(per_token_pg.detach(), mask)}
         if args.kl_in_loss and args.uses_reference:  # GRPO: β·KL per token, β the rollout's (the controller's)
             kl = kl_penalty(logprobs, exp.ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
+            if args.use_bias_correction_kl:  # TRL's GRPO: the KL weighted by the ratio, gradient included
+                kl = kl * torch.exp(importance_log_weights(logprobs - old_logprobs.detach(), mask,
+                                                           args.importance_sampling_level))
             per_token_loss = per_token_pg + inputs["rollout_stats"]["objective/kl_coef"] * kl
             sums["loss/kl_avg"] = masked_sum(kl.detach(), mask)
         loss = self._aggregate(per_token_loss, mask, normalizer)
@@ -415,6 +418,7 @@ class PPOTrainer(BaseTrainer):
             metrics.add(name, value * tokens, tokens)
         for name, value in inputs["rollout_stats"].items():
             metrics.add(name, value)
+        self.log_policy_terms(metrics, logprobs.detach(), old_logprobs.detach(), exp.advantages, mask)
         if args.old_logprobs_in_loss:  # the rollout's policy statistics, from this forward (per sequence means)
             detached = logprobs.detach()
             token_kl = kl_penalty(detached, exp.ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
@@ -428,6 +432,9 @@ class PPOTrainer(BaseTrainer):
             loss = loss + args.ptx_coef * ptx_loss / self.current_gradient_accumulation_steps
             metrics.add("loss/ptx_avg", ptx_loss)
         return (loss, {"logits": logits, "values": values}) if return_outputs else loss
+
+    def log_policy_terms(self, metrics, logprobs, old_logprobs, advantages, mask) -> None:
+        """Hook for more per-micro-batch policy metrics (`GRPOTrainer`: TRL's clip ratios); all (B, T), detached."""
 
     def _aggregate(self, per_token_loss, mask, normalizer):
         """The policy loss reduced as `loss_type` says, scaled for gradient accumulation (as TRL's GRPO)."""

@@ -99,7 +99,7 @@ class Runs:
         key = (engine, task, backend)
         if key not in self.done:
             out = self.root / f"{engine or 'single'}-{task}{'' if backend == 'generate' else '-' + backend}"
-            extra = ["--policy_path", self.policy_dir()] if task in (*PPO_TASKS, "grpo_dynamic") else []
+            extra = ["--policy_path", self.policy_dir()] if task in (*PPO_TASKS, "grpo_dynamic", "grpo_tools") else []
             extra += [] if backend == "generate" else ["--generation_backend", backend]
             wall = run(launch_cmd(engine, "--task", task, "--out", str(out), "--steps", str(STEPS),
                                   "--global_batch", str(GLOBAL_BATCH), *extra), out)
@@ -248,6 +248,26 @@ def test_dynamic_sampling_runs_the_same_rounds_on_every_rank(runs, engine):
     assert calls[0] == calls[1] == sum(h["filter/gen_batches"] for h in logs) > STEPS
     assert sum(h["filter/dropped_groups"] for h in logs) > 0
     assert all(1 <= h["filter/gen_batches"] <= 3 for h in logs)
+
+
+@pytest.mark.parametrize("engine", [engine_param(e) for e in ("ddp", "deepspeed_zero3")])
+def test_grpo_with_tools_two_processes_match_one(runs, engine):
+    """hf_rlhf.GRPOTrainer with a tool (worker `grpo_tools`: every first turn calls `add`, its result is appended,
+    the model answers; β > 0, so the reference runs on the multi-turn rows): 2 ranks give the single-process run's
+    losses and gradient norms, and every completion called the tool."""
+    single, multi = runs.get(None, "grpo_tools"), runs.get(engine, "grpo_tools")
+    assert multi["world_size"] == 2 and len(multi["loss"]) == len(single["loss"]) == STEPS
+    diff = max(abs(a - b) for a, b in zip(multi["loss"], single["loss"]))
+    print(f"\n[matrix] grpo_tools x {engine}: {multi['wall_s']:.1f} s, max |loss diff| {diff:.2e}")
+    assert diff <= TOLERANCE, (multi["loss"], single["loss"])
+    logs = [[h for h in run["log_history"] if "loss" in h] for run in (multi, single)]
+    assert [h["grad_norm"] for h in logs[0]] == pytest.approx([h["grad_norm"] for h in logs[1]], rel=1e-3)
+    assert min(h["grad_norm"] for h in logs[1]) > 1e-3
+    for name in ("tools/call_frequency", "reward", "reward_std", "completions/mean_length", "num_tokens", "kl"):
+        assert [h[name] for h in logs[0]] == pytest.approx([h[name] for h in logs[1]], rel=1e-4, abs=1e-6), name
+    assert all(h["tools/call_frequency"] == 1.0 and h["tools/failure_frequency"] == 0.0 for h in logs[1])
+    torch.testing.assert_close(reloaded_outputs("grpo", multi["out"] / "out"),
+                               reloaded_outputs("grpo", single["out"] / "out"), atol=TOLERANCE, rtol=0)
 
 
 @pytest.mark.parametrize("engine", [engine_param(e) for e in ENGINES])

@@ -1,6 +1,7 @@
 """One tiny training run for the distributed tests, launched by `torchrun` / `accelerate launch` (or plain python).
 
-    python tests/distributed/worker.py --task {sft,sft_lora,reward,dpo,ppo,grpo,rloo,reinforce_pp} --out DIR [--steps 4]
+    python tests/distributed/worker.py --task {sft,sft_lora,reward,dpo,ppo,grpo,rloo,reinforce_pp,grpo_tools} --out DIR
+        [--steps 4]
         [--global_batch 8] [--generation_backend generate]
     python tests/distributed/worker.py --recipe ppo --out DIR <recipe options>   # records who writes what
 
@@ -25,7 +26,8 @@ import torch
 
 from hf_rlhf.cli.errors import close_process_group
 
-TASKS = ("sft", "sft_lora", "reward", "dpo", "dpo_lora", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic")
+TASKS = ("sft", "sft_lora", "reward", "dpo", "dpo_lora", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic",
+         "grpo_tools")
 # PPOTrainer's critic-free estimators, each with the options whose statistics cross ranks: GRPO's k3 in the loss with
 # the per-sequence loss_type, RLOO's batch-whitened advantages, REINFORCE++'s globally whitened returns
 ESTIMATORS = {
@@ -95,6 +97,63 @@ class SecondChoiceOnOddRows:
         return torch.where(odd.unsqueeze(-1), masked, scores)
 
 
+TOOL_CALL = '<tool_call>{"name": "add", "arguments": {"a": 40, "b": 2}}</tool_call><|eos|>'
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers (the deterministic tool of the `grpo_tools` task).
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+class ForcedToolCall:
+    """A logits processor for greedy tool rollouts: a turn whose context holds no tool result yet is forced to be
+    `TOOL_CALL` (the random toy policy never writes a call); later turns are the model's own (greedy, with
+    `SecondChoiceOnOddRows`). The rollout's log-probs and losses are the model's, as for any sampled turn."""
+
+    def __init__(self, tokenizer):
+        self.call = tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"]
+        self.assistant = tokenizer.convert_tokens_to_ids("<|assistant|>")
+        self.marker = tokenizer("result:", add_special_tokens=False)["input_ids"]
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids.tolist()):
+            if any(ids[i:i + len(self.marker)] == self.marker for i in range(len(ids))):
+                continue  # a tool result is in the context: the model's own turn
+            generated = len(ids) - 1 - max(i for i, t in enumerate(ids) if t == self.assistant)
+            if generated < len(self.call):
+                scores[row] = float("-inf")
+                scores[row, self.call[generated]] = 0.0
+        return scores
+
+
+def tool_answer_reward(prompts, completions, **kwargs):
+    """The length of a tool rollout's answer (its last message), plus its tool result seen: rows differ in a group."""
+    return [len(c[-1]["content"]) / 10 + sum(m["role"] == "tool" for m in c) for c in completions]
+
+
+def grpo_tools_trainer(common: dict, model, per_device: int):
+    """hf_rlhf.GRPOTrainer (TRL's signature) with a tool: every first turn calls `add`, the result is appended, the
+    model answers; β > 0 with TRL's bias-corrected k3 KL, so the reference runs on the multi-turn rows too."""
+    from transformers import LogitsProcessorList
+
+    from hf_rlhf import GRPOConfig, GRPOTrainer
+    from hf_rlhf.toy import build_toy_tool_tokenizer, prompt_dataset
+
+    tokenizer = build_toy_tool_tokenizer()
+    args = GRPOConfig(**common, learning_rate=3e-3, gradient_accumulation_steps=2, steps_per_generation=2,
+                      num_generations=2, max_completion_length=120, beta=0.05, max_tool_calling_iterations=1,
+                      generation_kwargs={"do_sample": False, "logits_processor": LogitsProcessorList(
+                          [SecondChoiceOnOddRows(), ForcedToolCall(tokenizer)])})
+    return GRPOTrainer(model, reward_funcs=tool_answer_reward, args=args,
+                       train_dataset=prompt_dataset(64, seed=0, conversational=True),
+                       processing_class=tokenizer, tools=[add])
+
+
 def common_args(out: str, steps: int, per_device: int) -> dict:
     return dict(output_dir=out, per_device_train_batch_size=per_device, max_steps=steps, logging_steps=1,
                 save_strategy="no", report_to="none", seed=0, disable_tqdm=True, warmup_steps=0, bf16=False,
@@ -142,6 +201,8 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
     # sharded by zero.Init under ZeRO-3, and the frozen reference is loaded again from that path
     # The critic-free estimators (`task` in ESTIMATORS) run the same with their options and no value head.
     model = policy_path or build_toy_model(tokenizer, "tiny", seed=0)
+    if task == "grpo_tools":
+        return grpo_tools_trainer(common, model, per_device)
     options = ESTIMATORS.get(task, {})
     args = PPOConfig(**common, learning_rate=3e-3, gradient_accumulation_steps=2, rollout_batch_size=2 * per_device,
                      num_ppo_epochs=1, response_length=6, temperature=1.0, generation_kwargs={"do_sample": False},
