@@ -1,6 +1,6 @@
 """One tiny training run for the distributed tests, launched by `torchrun` / `accelerate launch` (or plain python).
 
-    python tests/distributed/worker.py --task {sft,sft_lora,reward,dpo,ppo,grpo,rloo,reinforce_pp,grpo_tools} --out DIR
+    python tests/distributed/worker.py --task {sft,sft_lora,reward,dpo,dpo_lora,ppo,grpo,rloo,reinforce_pp,grpo_dynamic,grpo_tools} --out DIR
         [--steps 4]
         [--global_batch 8] [--generation_backend generate]
     python tests/distributed/worker.py --recipe ppo --out DIR <recipe options>   # records who writes what
