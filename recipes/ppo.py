@@ -67,13 +67,13 @@ class ScriptArguments(trl.ScriptArguments):
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (None: torch's)."})
 
 
-def build_callbacks(script_args, args: PPOConfig, data: PromptData, tools: list) -> list:
+def build_callbacks(script_args, args: PPOConfig, data: PromptData, tools: list = ()) -> list:
     callbacks = [NonFiniteStopCallback()]
     if script_args.sample_prompts > 0 and data.held_out is not None:
         callbacks.append(SampleCompletionsCallback(
             list(data.held_out["prompt"][:script_args.sample_prompts]), every_n_steps=script_args.sample_every,
             max_new_tokens=args.response_length, score_fn=data.score_fn, tools=tools,
-            max_tool_calling_iterations=args.max_tool_calling_iterations))
+            max_tool_calling_iterations=args.max_tool_calling_iterations if tools else None))
     if script_args.plot:
         target = args.kl_target  # None: a fixed KL coefficient, no target band
         bands = {"objective/kl": (target * (1 - KL_BAND), target * (1 + KL_BAND))} if target else None
