@@ -51,8 +51,12 @@ class ScriptArguments:
 
 def toy_data(script_args, toy_args, model_config):
     """(train pairs, held-out pairs, held-out prompts): the SFT policy built first when missing."""
+    from hf_rlhf.cli.errors import RecipeOptionError
     from hf_rlhf.toy import preference_dataset, prompt_dataset
 
+    if toy_args.toy_task != "arithmetic":
+        raise RecipeOptionError(f"recipes/dpo.py: the toy task is arithmetic only (--toy_task {toy_args.toy_task} is "
+                                "the PPO recipe's)")
     if model_config.model_name_or_path is None:
         if not is_model_dir(toy_args.sft_model_path):
             if not toy_args.build_missing:

@@ -53,12 +53,47 @@ class ScriptArguments:
     toy_slip_rate: float = field(
         default=0.0, metadata={"help": "Toy task: share of demonstrations with the demonstrator's systematic slip "
                                        "(an answer copied from the prompt; hf_rlhf.toy.tasks.slip_answer)."})
+    toy_task: str = field(default="arithmetic", metadata={
+        "help": "Toy task: arithmetic (the mixed tasks of hf_rlhf.toy.tasks) or tools (calculator demonstrations, "
+                "hf_rlhf.toy.tool_task; the toy_tool_* options).", "choices": ["arithmetic", "tools"]})
+    toy_tool_operation: str = field(default="multiply", metadata={
+        "help": "Toy tools task: the operation (and its tool).", "choices": ["add", "multiply"]})
+    toy_tool_digits: int = field(default=3, metadata={"help": "Toy tools task: digits of each operand."})
+    toy_tool_rate: float = field(default=1.0, metadata={
+        "help": "Toy tools task: share of demonstrations that call the tool (the others answer at once)."})
 
 
-def toy_exact_match(model, tokenizer, rows) -> dict:
+def toy_exact_match(model, tokenizer, rows, script_args) -> dict:
+    """Greedy exact match on the held-out toy prompts (the tools task: with its tool, and the tool calls made)."""
+    if script_args.toy_task == "tools":
+        from hf_rlhf.toy import tool_exact_match
+        from hf_rlhf.toy.tool_task import operation_tool
+
+        return tool_exact_match(model, tokenizer, rows, tools=[operation_tool(script_args.toy_tool_operation)])
     from hf_rlhf.toy import exact_match
 
     return {"exact_match": exact_match(model, tokenizer, rows)}
+
+
+def toy_data(script_args) -> tuple:
+    """(SFT rows, held-out prompt rows) of the toy task."""
+    if script_args.toy_task == "tools":
+        from hf_rlhf.toy import tool_prompt_dataset, tool_sft_dataset
+        from hf_rlhf.toy.tool_task import TEST_SEED_OFFSET
+
+        task = {"digits": script_args.toy_tool_digits, "operation": script_args.toy_tool_operation}
+        train = tool_sft_dataset(script_args.toy_train_size, seed=script_args.toy_seed,
+                                 tool_rate=script_args.toy_tool_rate, **task)
+        # another seed than the training rows' (the PPO recipe's held-out prompts are these too)
+        return train, tool_prompt_dataset(script_args.toy_test_size, seed=script_args.toy_seed + TEST_SEED_OFFSET,
+                                          **task)
+    from hf_rlhf.toy import prompt_dataset, sft_dataset
+
+    conversational = script_args.toy_format in ("messages", "conversational_prompt_completion")
+    train = sft_dataset(script_args.toy_train_size, seed=script_args.toy_seed, split="train",
+                        format=script_args.toy_format, slip_rate=script_args.toy_slip_rate)
+    return train, prompt_dataset(script_args.toy_test_size, seed=script_args.toy_seed, split="test",
+                                 conversational=conversational)
 
 
 def validate_rows(training_args):
@@ -81,13 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # the data first: a bad file or row fails here, before any model is loaded
     if toy:
-        from hf_rlhf.toy import prompt_dataset, sft_dataset
-
-        conversational = script_args.toy_format in ("messages", "conversational_prompt_completion")
-        train = sft_dataset(script_args.toy_train_size, seed=script_args.toy_seed, split="train",
-                            format=script_args.toy_format, slip_rate=script_args.toy_slip_rate)
-        held_out = prompt_dataset(script_args.toy_test_size, seed=script_args.toy_seed, split="test",
-                                  conversational=conversational)
+        train, held_out = toy_data(script_args)
         test = None
     else:
         train, test = load_text_dataset(script_args, validate_rows(training_args))
@@ -95,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if model_config.model_name_or_path is None:
         model, tokenizer = prepare_toy_base(model_config, training_args, script_args.toy_model_size,
-                                            script_args.toy_seed)
+                                            script_args.toy_seed, tools=script_args.toy_task == "tools")
     else:
         from hf_rlhf.models import load_model, load_tokenizer
 
@@ -104,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
             train, test = tokenize_first(train, test, prepare_sft_dataset, tokenizer, training_args)
         model = load_model(model_config)
 
-    before = toy_exact_match(model, tokenizer, held_out) if toy else {}
+    before = toy_exact_match(model, tokenizer, held_out, script_args) if toy else {}
     trainer = SFTTrainer(model, args=training_args, train_dataset=train, eval_dataset=test,
                          processing_class=tokenizer, model_config=model_config)
     metrics = train_run(trainer, resume)
@@ -112,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
     exit_after_nonfinite_stop(trainer, training_args.output_dir, metrics, {"before": before, "task": task})
     trainer.save_model(training_args.output_dir)
 
-    after = toy_exact_match(trainer.accelerator.unwrap_model(trainer.model), tokenizer, held_out) if toy else {}
+    after = toy_exact_match(trainer.accelerator.unwrap_model(trainer.model), tokenizer, held_out,
+                            script_args) if toy else {}
     if test is not None:
         after.update({k.removeprefix("eval_"): v for k, v in trainer.evaluate().items()})
     results = {"before": before, "after": after, "train": metrics, "task": task}

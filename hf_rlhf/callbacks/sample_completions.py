@@ -37,6 +37,9 @@ class SampleCompletionsCallback(TrainerCallback):
         max_new_tokens: generation length.
         score_fn: optional `(prompts, completions) -> list[float]` (e.g. `hf_rlhf.toy.reward_fn`), logged as `score`.
         filename: JSONL file inside `args.output_dir` (None: print only).
+        tools: the run's tools: completions are then multi-turn (the rollout's turn loop, greedy, calling them) and
+            logged as message lists; `max_new_tokens` bounds the whole multi-turn response.
+        max_tool_calling_iterations: as the run's (`PPOConfig.max_tool_calling_iterations`).
 
     `history` holds every logged row: {"step", "prompt", "completion"[, "score"]}.
 
@@ -45,11 +48,13 @@ class SampleCompletionsCallback(TrainerCallback):
     """
 
     def __init__(self, prompts: Sequence, every_n_steps: int | None = None, max_new_tokens: int = 16,
-                 score_fn: Callable | None = None, filename: str | None = "completions.jsonl"):
+                 score_fn: Callable | None = None, filename: str | None = "completions.jsonl", tools: list | None = None,
+                 max_tool_calling_iterations: int | None = None):
         if not prompts:
             raise ValueError("SampleCompletionsCallback needs at least one prompt")
         self.prompts, self.every_n_steps = list(prompts), every_n_steps
         self.max_new_tokens, self.score_fn, self.filename = max_new_tokens, score_fn, filename
+        self.tools, self.max_tool_calling_iterations = list(tools or []), max_tool_calling_iterations
         self.history: list[dict] = []
         self._last_step: int | None = None
 
@@ -90,7 +95,13 @@ class SampleCompletionsCallback(TrainerCallback):
             return
         self._last_step = state.global_step
         policy = getattr(model, "policy", model)
-        completions = generate_completions(policy, processing_class, self.prompts, self.max_new_tokens)
+        if self.tools:
+            from ..ppo.multiturn import greedy_tool_completions
+
+            completions = greedy_tool_completions(policy, processing_class, self.prompts, self.tools,
+                                                  self.max_new_tokens, self.max_tool_calling_iterations).completions
+        else:
+            completions = generate_completions(policy, processing_class, self.prompts, self.max_new_tokens)
         if not state.is_world_process_zero:  # a ZeRO-3 rank that only took part in the gathers
             return
         scores = self.score_fn(self.prompts, completions) if self.score_fn is not None else None
@@ -104,7 +115,7 @@ class SampleCompletionsCallback(TrainerCallback):
         _write_line(f"[hf_rlhf] sample completions at step {state.global_step}:")
         for row in rows:
             score = f"  (score {row['score']:.3g})" if "score" in row else ""
-            _write_line(f"  {_show(row['prompt'])!s:>28} -> {row['completion']!r}{score}")
+            _write_line(f"  {_show(row['prompt'])!s:>28} -> {_show_completion(row['completion'])}{score}")
         if self.filename:
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, self.filename), "a") as f:
@@ -125,6 +136,23 @@ def _sharded_zero3(args) -> bool:
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     return args.world_size > 1 and is_deepspeed_zero3_enabled()
+
+
+def _show_completion(completion) -> str:
+    """A completion on one line: its text, or a multi-turn one's turns ("call add({...})", "-> 42", "'42'")."""
+    if not isinstance(completion, list):
+        return repr(completion)
+    parts = []
+    for message in completion:
+        if message.get("role") == "tool":
+            parts.append(f"-> {message.get('content')}")
+            continue
+        if message.get("content"):
+            parts.append(repr(message["content"]))
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            parts.append(f"call {function.get('name')}({json.dumps(function.get('arguments'))})")
+    return " | ".join(parts) or "''"
 
 
 def _show(prompt) -> str:

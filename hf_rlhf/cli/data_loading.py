@@ -89,6 +89,26 @@ def load_prompt_data(script_args, model_config, args) -> PromptData:
     return PromptData(train, test)
 
 
+def load_callable(spec: str | None, option: str, what: str) -> Callable:
+    """The callable named by `spec`, "package.module:function" (`option` and `what` name it in errors).
+
+    Raises:
+        RecipeOptionError: (one line on the command line) `spec` is malformed, its module cannot be imported, or
+            the module has no such callable.
+    """
+    module, _, name = (spec or "").partition(":")
+    if not module or not name:
+        raise RecipeOptionError(f"{option} needs 'package.module:function' ({what}), got {spec!r}")
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as e:
+        raise RecipeOptionError(f"{option} {spec}: cannot import {module!r} ({e})") from None
+    function = getattr(loaded, name, None)
+    if not callable(function):
+        raise RecipeOptionError(f"{option} {spec}: module {module!r} has no function {name!r}")
+    return function
+
+
 def load_reward_function(spec: str | None) -> Callable:
     """The function named by `spec`, "package.module:function".
 
@@ -96,18 +116,28 @@ def load_reward_function(spec: str | None) -> Callable:
         RecipeOptionError: (one line on the command line) `spec` is missing or malformed, its module cannot be
             imported, or the module has no such callable.
     """
-    module, _, name = (spec or "").partition(":")
-    if not module or not name:
+    if not spec:
         raise RecipeOptionError(f"--reward_source function needs --reward_function 'package.module:function' (the "
                                 f"reward (prompts, completions, **columns) -> list[float]), got {spec!r}")
-    try:
-        loaded = importlib.import_module(module)
-    except ImportError as e:
-        raise RecipeOptionError(f"--reward_function {spec}: cannot import {module!r} ({e})") from None
-    function = getattr(loaded, name, None)
-    if not callable(function):
-        raise RecipeOptionError(f"--reward_function {spec}: module {module!r} has no function {name!r}")
-    return function
+    return load_callable(spec, "--reward_function", "the reward (prompts, completions, **columns) -> list[float]")
+
+
+NO_TOOLS = "none"
+
+
+def load_tools(specs: list[str] | None) -> list[Callable]:
+    """The tools named by `specs`: each "package.module:function", several in one item separated by commas; the
+    single item "none" (or nothing): no tools (so a command line can switch off a config's tools).
+
+    Raises:
+        RecipeOptionError: a name that cannot be resolved, or "none" beside tools.
+    """
+    names = [name.strip() for item in specs or [] for name in item.split(",") if name.strip()]
+    if NO_TOOLS in names:
+        if len(names) > 1:
+            raise RecipeOptionError(f"--tools {NO_TOOLS} means no tools; it cannot come with others: {names}")
+        return []
+    return [load_callable(name, "--tools", "a type-hinted function with a Google-style docstring") for name in names]
 
 
 def tokenize_first(train, test, prepare, tokenizer, training_args):

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..tools.execution import ToolRunner
+from ..tools.execution import ToolRunner, tool_dict
 from ..tools.masks import pack_turns
 from ..tools.parsing import parse_turn, tool_suffix_ids
 
@@ -140,6 +140,65 @@ class ToolRollout:
             messages[i] += tool_messages
             going_on.append(i)
         return sorted(going_on)
+
+
+@dataclass
+class ToolCompletions:
+    """Greedy multi-turn completions of N prompts (`greedy_tool_completions`)."""
+
+    completions: list[list[dict]]  # N message lists: assistant turns (with tool_calls) and tool messages
+    tool_calls: list[int]  # per prompt: calls made
+    tool_failures: list[int]  # per prompt: calls answered with an error
+
+    def summary(self) -> dict[str, float]:
+        """{"tool_calls_per_completion", "tool_error_rate"} (the share of calls answered with an error)."""
+        calls = sum(self.tool_calls)
+        return {"tool_calls_per_completion": calls / max(len(self.completions), 1),
+                "tool_error_rate": sum(self.tool_failures) / calls if calls else 0.0}
+
+
+@torch.no_grad()
+def greedy_tool_completions(model, tokenizer, prompts: list[list[dict]], tools: list, response_length: int,
+                            max_tool_calling_iterations: int | None, batch_size: int = 64,
+                            chat_template_kwargs: dict | None = None, timeout: float | None = 30.0,
+                            max_workers: int = 8) -> ToolCompletions:
+    """Greedy completions of conversational `prompts` through the rollout's turn loop, calling `tools`.
+
+    Args:
+        prompts: N conversations, rendered with `tools` and a generation prompt.
+        tools: the callables the policy may call; empty: the prompts are rendered without tools and a call the
+            policy writes anyway is not run (its turn is the completion).
+        response_length, max_tool_calling_iterations: as in a rollout (`ToolRollout`).
+    """
+    was_training = model.training
+    model.eval()
+    tools = list(tools or [])
+    iterations = max_tool_calling_iterations if tools else 0
+    loop = ToolRollout(tokenizer, tokenizer.eos_token_id, response_length, iterations,
+                       ToolRunner(max_workers=max_workers, timeout=timeout), chat_template_kwargs)
+    device = next(model.parameters()).device
+    kwargs = chat_template_kwargs or {}
+    out = ToolCompletions([], [], [])
+
+    def generate(ids, mask, max_new_tokens):
+        new = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        return new[:, ids.shape[1]:]
+
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start:start + batch_size]
+            rendered = [tokenizer.apply_chat_template(p, tools=tools or None, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False, **kwargs) for p in chunk]
+            ids, mask = _left_pad(rendered, tokenizer.pad_token_id, device)
+            sample = loop.run(generate, ids, mask, [tool_dict(tools)] * len(chunk))
+            out.completions += sample.completions
+            out.tool_calls += sample.tool_calls
+            out.tool_failures += sample.tool_failures
+    finally:
+        loop.runner.close()
+        model.train(was_training)
+    return out
 
 
 ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")

@@ -2,7 +2,9 @@
 
 The recipes call three things here: `is_toy_run` (the one place that decides it), `prepare_toy_base` (a fresh toy
 model for the SFT and reward recipes) and `toy_chain` (the PPO recipe's prompts, ground-truth check, and its
-prerequisites: a missing SFT policy or reward model is built first by running that recipe in a subprocess).
+prerequisites: a missing SFT policy or reward model is built first by running that recipe in a subprocess). The
+PPO recipe has two toy tasks (`toy_task`): the arithmetic of `hf_rlhf.toy.tasks`, and the tool task of
+`hf_rlhf.toy.tool_task` (arithmetic with a calculator the policy calls; the tool itself is the recipe's `--tools`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..cli.data_loading import PromptData
+from ..cli.errors import RecipeOptionError
 from .tasks import prompt_dataset, reward_fn, task_of
 
 # a child started from a rank of a multi-process launch must not join that launch's process group
@@ -39,6 +42,13 @@ class ToyChainArguments:
     toy_train_size: int = field(default=4096, metadata={"help": "Toy task: training prompts."})
     toy_test_size: int = field(default=400, metadata={"help": "Toy task: held-out prompts for evaluation."})
     toy_seed: int = field(default=0, metadata={"help": "Seed of the toy prompts."})
+    toy_task: str = field(default="arithmetic", metadata={
+        "help": "Toy task: arithmetic (hf_rlhf.toy.tasks) or tools (arithmetic with a calculator tool, "
+                "hf_rlhf.toy.tool_task: its SFT policy is built with recipes/configs/sft_tools_toy.yaml; give the "
+                "tool with --tools; PPO recipe only).", "choices": ["arithmetic", "tools"]})
+    toy_tool_operation: str = field(default="multiply", metadata={
+        "help": "Toy tools task: the operation of the prompts.", "choices": ["add", "multiply"]})
+    toy_tool_digits: int = field(default=3, metadata={"help": "Toy tools task: digits of each operand."})
     build_threads: int | None = field(
         default=None, metadata={"help": "Toy task: torch threads of a single-process build (None: every core). The "
                                         "built model depends on it, as float sums do."})
@@ -64,6 +74,7 @@ def check_answers(prompts: list, completions: list[str], rows) -> dict:
 
 
 TOY_REWARD_FUNCTION = "hf_rlhf.toy:reward_fn"
+TOOL_REWARD_FUNCTION = "hf_rlhf.toy:tool_reward"
 
 
 def toy_chain(script_args, toy_args: ToyChainArguments, model_config, recipes_dir: str) -> PromptData:
@@ -82,10 +93,16 @@ def toy_chain(script_args, toy_args: ToyChainArguments, model_config, recipes_di
     """
     timings: dict[str, float] = {}
     needed = []
+    tools_task = toy_args.toy_task == "tools"
+    if tools_task and script_args.reward_source != "function":
+        raise RecipeOptionError("the toy tools task has no reward model: use --reward_source function (its reward, "
+                                f"{TOOL_REWARD_FUNCTION}, checks the final answer)")
     if script_args.reward_source == "function" and not getattr(script_args, "reward_function", None):
-        script_args.reward_function = TOY_REWARD_FUNCTION  # the toy task's own reward: its verifiable exact match
+        # the toy task's own reward: its verifiable exact match
+        script_args.reward_function = TOOL_REWARD_FUNCTION if tools_task else TOY_REWARD_FUNCTION
     if model_config.model_name_or_path is None:
-        config = toy_args.sft_config or os.path.join(recipes_dir, "configs", "sft_toy.yaml")
+        config = toy_args.sft_config or os.path.join(recipes_dir, "configs",
+                                                     "sft_tools_toy.yaml" if tools_task else "sft_toy.yaml")
         needed.append(("sft", toy_args.sft_model_path, config, []))
         model_config.model_name_or_path = toy_args.sft_model_path
     if script_args.reward_source == "model":
@@ -105,6 +122,15 @@ def toy_chain(script_args, toy_args: ToyChainArguments, model_config, recipes_di
                           threads=toy_args.build_threads)
         timings[f"{name}_s"] = round(time.perf_counter() - start, 1)
         print(f"[hf_rlhf] {name} model built in {timings[f'{name}_s']:.0f} s")
+    if tools_task:
+        from .tool_task import TEST_SEED_OFFSET, check_tool_answers, tool_prompt_dataset, tool_reward
+
+        task = {"digits": toy_args.toy_tool_digits, "operation": toy_args.toy_tool_operation}
+        # the SFT demonstrations are drawn with toy_seed, the held-out prompts as recipes/sft.py draws them
+        return PromptData(train=tool_prompt_dataset(toy_args.toy_train_size, seed=toy_args.toy_seed + 1, **task),
+                          held_out=tool_prompt_dataset(toy_args.toy_test_size,
+                                                       seed=toy_args.toy_seed + TEST_SEED_OFFSET, **task),
+                          check=check_tool_answers, score_fn=tool_reward, timings=timings)
     return PromptData(
         train=prompt_dataset(toy_args.toy_train_size, seed=toy_args.toy_seed, split="train"),
         held_out=prompt_dataset(toy_args.toy_test_size, seed=toy_args.toy_seed, split="test"),
@@ -157,8 +183,9 @@ def build_with_recipe(script: str, argv: list[str], threads: int | None = None) 
                                    f"{sys.executable} {script} {' '.join(argv)}")
 
 
-def prepare_toy_base(model_config, training_args, size: str, seed: int, reward: bool = False):
-    """Build the toy tokenizer and a freshly initialised toy model.
+def prepare_toy_base(model_config, training_args, size: str, seed: int, reward: bool = False, tools: bool = False):
+    """Build the toy tokenizer (`tools`: the one whose chat template renders tool calls) and a freshly initialised
+    toy model.
 
     The base is saved under `<output_dir>/base` and `model_config.model_name_or_path` points there, so
     that a LoRA adapter records a base it can be reloaded from, and QLoRA loads that base in 4 bit
@@ -169,9 +196,9 @@ def prepare_toy_base(model_config, training_args, size: str, seed: int, reward: 
     """
     from ..models import load_model
     from .models import build_toy_model, build_toy_reward_model
-    from .tokenizer import build_toy_tokenizer
+    from .tokenizer import build_toy_tokenizer, build_toy_tool_tokenizer
 
-    tokenizer = build_toy_tokenizer()
+    tokenizer = build_toy_tool_tokenizer() if tools else build_toy_tokenizer()
     model = (build_toy_reward_model if reward else build_toy_model)(tokenizer, size=size, seed=seed)
     if not model_config.use_peft:
         return model, tokenizer

@@ -99,7 +99,9 @@ COMMANDS = documented_commands()
 def test_the_commands_are_found():
     commands = [c for _, c in COMMANDS]
     for expected in ("hf-rlhf chain", "hf-rlhf sft", "python recipes/sft.py", "accelerate launch recipes/ppo.py",
-                     "python recipes/ppo.py --config recipes/configs/grpo_toy.yaml", NEXT_ON_A_REAL_MODEL[-1]):
+                     "python recipes/ppo.py --config recipes/configs/grpo_toy.yaml",
+                     "python recipes/ppo.py --config recipes/configs/tools_toy.yaml",
+                     "python recipes/sft.py --config recipes/configs/sft_tools_toy.yaml", NEXT_ON_A_REAL_MODEL[-1]):
         assert expected in commands
     assert len(commands) >= 30
 
@@ -154,7 +156,8 @@ class Parsed(Exception):
 
 @pytest.fixture(scope="module")
 def prebuilt(tmp_path_factory):
-    """A tiny toy SFT policy and a tiny reward model on it, as outputs/sft and outputs/reward would hold them."""
+    """A tiny toy SFT policy and a tiny reward model on it, as outputs/sft and outputs/reward would hold them, and a
+    tiny SFT policy of the toy tools task, as outputs/sft_tools would."""
     import torch
 
     from recipes import reward, sft
@@ -166,8 +169,20 @@ def prebuilt(tmp_path_factory):
               "--output_dir", str(base / "sft")])
     reward.main(["--config", os.path.join(ROOT, "recipes", "configs", "reward_toy.yaml"), *TINY["reward"],
                  "--sft_model_path", str(base / "sft"), "--output_dir", str(base / "reward")])
+    sft.main(["--config", os.path.join(ROOT, "recipes", "configs", "sft_tools_toy.yaml"), *TINY["sft"],
+              "--output_dir", str(base / "sft_tools")])
     torch.set_num_threads(threads)
-    return {"sft": str(base / "sft"), "reward": str(base / "reward")}
+    return {"sft": str(base / "sft"), "reward": str(base / "reward"), "sft_tools": str(base / "sft_tools")}
+
+
+def is_tools_toy(args: list[str]) -> bool:
+    """The command runs the toy tools task (its SFT policy is the tool-calling one)."""
+    if "--toy_task" in args:
+        return args[args.index("--toy_task") + 1] == "tools"
+    config = args[args.index("--config") + 1] if "--config" in args else None
+    if config is None or not os.path.isfile(os.path.join(ROOT, config)):
+        return False
+    return (yaml.safe_load(open(os.path.join(ROOT, config))) or {}).get("toy_task") == "tools"
 
 
 def few_steps(name: str, args: list[str], out: str, prebuilt: dict) -> list[str]:
@@ -178,7 +193,8 @@ def few_steps(name: str, args: list[str], out: str, prebuilt: dict) -> list[str]
     if name == "dpo":
         extra += ["--sft_model_path", prebuilt["sft"]]
     if name == "ppo":
-        extra += ["--sft_model_path", prebuilt["sft"], "--reward_model_path", prebuilt["reward"]]
+        sft_model = prebuilt["sft_tools"] if is_tools_toy(args) else prebuilt["sft"]
+        extra += ["--sft_model_path", sft_model, "--reward_model_path", prebuilt["reward"]]
         if "--num_generations" in args:  # one prompt's samples per rollout
             extra += ["--rollout_batch_size", args[args.index("--num_generations") + 1]]
     return extra

@@ -54,6 +54,10 @@ class Oracle(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.tokenizer, self.slip = tokenizer, slip
 
+    @property
+    def device(self):
+        return self.weight.device
+
     def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
         rows = []
         for ids, mask in zip(input_ids, attention_mask):
@@ -77,3 +81,41 @@ def test_greedy_evaluation_scores_a_policy_that_uses_the_tool():
     good = tool_exact_match(Oracle(tokenizer), tokenizer, rows, batch_size=2)
     assert good == {"exact_match": 1.0, "tool_calls_per_completion": 1.0, "tool_error_rate": 0.0}
     assert tool_exact_match(Oracle(tokenizer, slip=True), tokenizer, rows)["exact_match"] == 0.0
+
+
+def test_demonstrator_calls_the_tool_at_its_rate_on_the_same_problems():
+    every = tool_sft_dataset(400, seed=2, digits=3, operation="multiply", tool_rate=1.0)
+    some = tool_sft_dataset(400, seed=2, digits=3, operation="multiply", tool_rate=0.25)
+    assert [r["messages"][0]["content"] for r in every] == [r["messages"][0]["content"] for r in some]
+    called = [any(m.get("tool_calls") for m in r["messages"]) for r in some]
+    assert 0.18 < sum(called) / len(called) < 0.32
+    for row, uses_tool in zip(some, called):
+        a, b = (int(x) for x in row["messages"][0]["content"].rstrip("=").split("*"))
+        assert row["messages"][-1] == {**row["messages"][-1], "role": "assistant", "content": str(a * b)}
+        assert len(row["messages"]) == (4 if uses_tool else 2)
+    assert all(any(m.get("tool_calls") for m in r["messages"]) for r in every)
+
+
+def test_reward_reads_multiplication_prompts():
+    prompts = [[{"role": "user", "content": "123*45="}]] * 2
+    completions = [[{"role": "assistant", "content": "5535"}], [{"role": "assistant", "content": "168"}]]
+    assert tool_reward(prompts, completions) == [1.0, 0.0]
+
+
+def test_recipe_evaluation_calls_the_run_tools():
+    """The PPO recipe's held-out evaluation with tools runs the turn loop: a policy that calls the tool scores, and
+    the tool calls are counted; without tools its call is not run and scores nothing."""
+    from hf_rlhf.cli.evaluation import evaluate_completions
+    from datasets import Dataset
+
+    tokenizer = build_toy_tool_tokenizer()
+    rows = Dataset.from_list(list(tool_prompt_dataset(4, seed=5, digits=4)))
+
+    def reward(prompts, completions, answer):
+        return torch.tensor(tool_reward(prompts, completions, answer))
+
+    with_tool = evaluate_completions(Oracle(tokenizer), tokenizer, rows, reward, 120, 3, tools=[add],
+                                     max_tool_calling_iterations=1)
+    assert with_tool == {"score": 1.0, "exact_match": 1.0, "tool_calls_per_completion": 1.0, "tool_error_rate": 0.0}
+    without = evaluate_completions(Oracle(tokenizer), tokenizer, rows, reward, 120, 3)
+    assert without == {"score": 0.0, "exact_match": 0.0}
