@@ -574,6 +574,10 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         cannot (a forward without transformers' 2D `logits_to_keep`, a prompt-learning peft adapter) computes every
         position, with a log line saying why; False: every position always (as trl 1.16 on CPU, which scores only
         the completion positions on CUDA / XPU with Triton). The logits `prediction_step` returns are always the full ones.
+        On sdpa the padded layout's right-padded rows go without their attention mask (causal attention alone: no
+        real token sees the padding after it, and sdpa takes its causal kernel) where a self-check on the model and
+        the reference agrees (`packing_check.right_padding_needs_no_mask`), except with an MoE router loss, which
+        reads the mask.
     Reference: `precompute_ref_log_probs` (computed once before training, stored with the dataset and in
         `output_dir/ref_logps/`, reused on resume), `precompute_ref_batch_size`. Reference-free losses (`simpo`, `orpo`,
         `sft` alone) use no reference model.

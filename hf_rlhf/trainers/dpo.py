@@ -6,9 +6,10 @@ padded chosen‖rejected batches (`trl`'s own `DataCollatorForPreference`), or p
 (`collators.dpo`); and
 
 - `compute_loss`: one policy forward over the 2B sequences, summed completion log-probs (`preference_losses.
-  completion_logps`; logits only at the positions predicting a completion token, `use_logits_to_keep`), the
-  reference's (below), then `preference_losses.combined_loss` (every TRL `loss_type`,
-  `loss_weights`, WPO weights, f-divergences, LD-DPO; SimPO and ORPO reference-free). Logs TRL 1.16's metrics:
+  completion_logps`; logits only at the positions predicting a completion token, `use_logits_to_keep`; on sdpa the
+  padded rows without their right-padding mask, so that attention takes its causal kernel), the reference's (below),
+  then `preference_losses.combined_loss` (every TRL `loss_type`, `loss_weights`, WPO weights, f-divergences, LD-DPO;
+  SimPO and ORPO reference-free). Logs TRL 1.16's metrics:
   `rewards/{chosen,rejected,accuracies,margins}`, `logps/{chosen,rejected}`, `logits/{chosen,rejected}`, `entropy`,
   `mean_token_accuracy`, `num_tokens`.
 - The reference: a given `ref_model` (frozen); else, for a LoRA / QLoRA policy, the same model with its adapters off
@@ -41,7 +42,7 @@ from ..models import (
     router_aux_loss_coef,
     set_router_aux_loss,
 )
-from ..packing_check import check_packing_exact
+from ..packing_check import check_packing_exact, right_padding_needs_no_mask
 from ..preference_losses import (
     REFERENCE_FREE_LOSS_TYPES,
     combined_loss,
@@ -54,6 +55,7 @@ from ..preference_losses import (
     wpo_weights,
 )
 from ..reward_models import disable_dropout, reward_config_of
+from ..tensors import is_right_padded
 from .base import BaseTrainer
 
 logger = logging.getLogger("hf_rlhf")
@@ -156,6 +158,10 @@ class DPOTrainer(BaseTrainer):
             ref_model.eval().requires_grad_(False)
             if set_router_aux_loss(ref_model, None):  # an MoE reference: only its logits are used, no router loss
                 set_router_aux_loss(ref_model, 0.0)  # (its 4D prefix-sharing mask is not one the router loss reads)
+        # padded rows are right-padded: under causal attention no real token sees a pad, so sdpa can drop the mask and
+        # take its causal kernel (exact where the model's self-check agrees; an MoE router loss reads the mask)
+        self._drop_padding_mask = (layout is None and attn == "sdpa" and not self.aux_loss_enabled and all(
+            right_padding_needs_no_mask(m) for m in (model, ref_model) if m is not None))
 
         prepare = lambda d, name: self._prepare(d, processing_class, args, name, id(d) in checked)  # noqa: E731
         train_dataset = prepare(train_dataset, "train")
@@ -238,11 +244,16 @@ class DPOTrainer(BaseTrainer):
             logger.info("use_logits_to_keep: the %s computes every position's logits (%s)", role, reason)
         return reason is None
 
-    def _model_inputs(self, inputs: dict) -> dict:
+    def _model_inputs(self, inputs: dict, full_logits: bool = False) -> dict:
+        """The model's keyword arguments; `full_logits`: every position's logits are read (the padding ones too), so
+        the padding mask stays."""
         model_inputs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
         model_inputs["use_cache"] = False
         mask = model_inputs.get("attention_mask")
-        if mask is not None and mask.ndim == 4 and self._eager:
+        drop_mask = self._drop_padding_mask and not full_logits
+        if mask is not None and mask.ndim == 2 and drop_mask and is_right_padded(mask):
+            del model_inputs["attention_mask"]  # causal attention alone: see __init__
+        elif mask is not None and mask.ndim == 4 and self._eager:
             # eager attention adds the mask to its scores: the prefix-sharing boolean mask becomes 0 / -inf-like
             model_inputs["attention_mask"] = torch.zeros(mask.shape, device=mask.device).masked_fill(
                 ~mask, torch.finfo(torch.float32).min)
@@ -327,7 +338,7 @@ class DPOTrainer(BaseTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
         mode = "train" if self.model.training else "eval"
-        model_inputs = self._model_inputs(inputs)
+        model_inputs = self._model_inputs(inputs, full_logits=return_outputs)
         # the full logits when the caller reads them (prediction_step), else only those the loss needs
         keep = self._keeps_logits["policy"] and not return_outputs
         gather = self._gather_index(inputs) if keep or self._keeps_logits["reference"] else None

@@ -6,7 +6,7 @@ import doctest
 import torch
 from torch.testing import assert_close
 
-from hf_rlhf import preference_losses
+from hf_rlhf import preference_losses, tensors
 from hf_rlhf.preference_losses import (
     completion_logps,
     gathered_completion_logps,
@@ -19,6 +19,13 @@ from hf_rlhf.preference_losses import (
 def test_docstring_examples():
     result = doctest.testmod(preference_losses, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 2 and result.failed == 0
+    assert doctest.testmod(tensors).failed == 0
+
+
+def test_is_right_padded():
+    assert tensors.is_right_padded(torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]))
+    assert not tensors.is_right_padded(torch.tensor([[1, 1, 0, 1]]))  # a hole
+    assert not tensors.is_right_padded(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))  # left padding
 
 
 def test_padded_gather_index_by_hand():
