@@ -7,7 +7,12 @@ checkpointing) with `loss_type="sigmoid"` and the reference a frozen copy, for o
 preference pairs (tokenized identically by both libraries: prompt_ids, chosen / rejected completion ids) with the
 same optimizer, batch size, data order and seed. What differs is how a batch is laid out:
 
-    padded          hf_rlhf's default: TRL's own `DataCollatorForPreference`, 2B right-padded rows.
+    padded          hf_rlhf's default: TRL's own `DataCollatorForPreference`, 2B right-padded rows; logits (LM head,
+                    log-softmax) only at the positions predicting a completion token (`use_logits_to_keep`, the
+                    default in every hf_rlhf layout here).
+    padded_full_logits  (extra) the same with `use_logits_to_keep=False`: logits at every position, as trl 1.16
+                    on CPU (its fused LM head scores only completion positions on CUDA / XPU with Triton). trl 1.16
+                    has no option for it (TRL's `use_logits_to_keep` was deprecated in 0.28 and is gone).
     padding_free    hf_rlhf `padding_free=True` (TRL 1.16 has it switched off): the batch's 2B sequences end to end
                     in one row, no padding; on sdpa a dense mask the size of the row, quadratic in the batch's
                     tokens (measured here: 1.04x TRL on short prompts, 0.13x on long ones, --quick): it pays off with
@@ -33,7 +38,7 @@ import sys
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
 DEFAULT_CONFIGS = ("padded", "padding_free", "prefix_sharing", "trl")
-EXTRA_CONFIGS = ()
+EXTRA_CONFIGS = ("padded_full_logits",)
 REFERENCE = "trl"
 PRESETS = {
     "full": dict(pairs=1024, batch_size=32, epochs=1, size="small", max_length=64),
@@ -41,7 +46,8 @@ PRESETS = {
 }
 LONG_PROMPT = "Answer the question below. Give the result only, with no words around it and no spaces; " * 2
 LONG_MAX_LENGTH = 256
-HF_LAYOUTS = {"padded": {}, "padding_free": {"padding_free": True}, "prefix_sharing": {"prefix_sharing": True}}
+HF_LAYOUTS = {"padded": {}, "padding_free": {"padding_free": True}, "prefix_sharing": {"prefix_sharing": True},
+              "padded_full_logits": {"use_logits_to_keep": False}}
 
 
 # ----------------------------------------------------------------------------------------------- worker side

@@ -566,6 +566,18 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         attention); with `prefix_sharing` one row per pair [prompt | chosen | rejected] whose prompt is computed once
         (sdpa or eager attention). Both give the padded layout's log-probs (`collators.dpo`); `packing_check`
         refuses a model on which the layout is not exact (OPT).
+    Forward: `use_logits_to_keep` (default True; TRL <= 0.28's option, deprecated there and absent from trl 1.16): the
+        policy and reference forwards compute logits (the LM head, softcapping, the log-softmax) only at the positions
+        that predict a completion token, in every layout, through transformers' `logits_to_keep` positions per row;
+        the log-probs, loss and gradients equal the full logits' within float rounding (`tests/zoo/
+        test_dpo_layouts.py`). Most of a long prompt's positions then cost no vocabulary projection. A model that
+        cannot (a forward without transformers' 2D `logits_to_keep`, a prompt-learning peft adapter) computes every
+        position, with a log line saying why; False: every position always (as trl 1.16 on CPU, which scores only
+        the completion positions on CUDA / XPU with Triton). The logits `prediction_step` returns are always the full ones.
+        On sdpa the padded layout's right-padded rows go without their attention mask (causal attention alone: no
+        real token sees the padding after it, and sdpa takes its causal kernel) where a self-check on the model and
+        the reference agrees (`packing_check.right_padding_needs_no_mask`), except with an MoE router loss, which
+        reads the mask.
     Reference: `precompute_ref_log_probs` (computed once before training, stored with the dataset and in
         `output_dir/ref_logps/`, reused on resume), `precompute_ref_batch_size`. Reference-free losses (`simpo`, `orpo`,
         `sft` alone) use no reference model.
@@ -600,6 +612,9 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         default=True, metadata={"help": "Check that padding_free / prefix_sharing is exact on the model before "
                                         "training (a few ms)."})
     pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": PAD_TO_MULTIPLE_OF_HELP})
+    use_logits_to_keep: bool = field(
+        default=True, metadata={"help": "Compute logits only at the positions predicting completion tokens (exact; "
+                                        "False: at every position)."})
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "Compute the reference log-probs once before training and store them."})
     precompute_ref_batch_size: int | None = field(

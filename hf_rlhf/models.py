@@ -236,6 +236,32 @@ def router_aux_loss_coef(model) -> float:
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
+def logits_to_keep_unsupported(model) -> str | None:
+    """Why `model` cannot compute only some positions' logits through `logits_to_keep` as a 2D tensor of positions per
+    row (None: it can). That needs a forward taking `logits_to_keep` and slicing with transformers' own
+    `slice_logits_to_keep` (transformers >= 5.24: every architecture of `tests/zoo`); a remote-code model slicing
+    `hidden_states[:, logits_to_keep]` itself would mis-shape it, and prompt-learning peft adapters shift the positions.
+
+    Args:
+        model: a causal LM, or a `PeftModel` of one.
+    """
+    import inspect
+    import sys
+
+    from accelerate.utils import is_peft_model
+
+    if is_peft_model(model):
+        if any(getattr(c, "is_prompt_learning", False) for c in model.peft_config.values()):
+            return "a prompt-learning peft adapter prepends virtual tokens"
+        model = model.get_base_model()
+    name = type(model).__name__
+    if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
+        return f"{name}.forward takes no logits_to_keep"
+    if not hasattr(sys.modules.get(type(model).__module__), "slice_logits_to_keep"):
+        return f"{name} does not slice with transformers' slice_logits_to_keep (positions per row)"
+    return None
+
+
 def apply_lora(model: PreTrainedModel, peft_config, gradient_checkpointing: bool = False):
     """Wrap `model` with LoRA adapters (preparing a 4/8-bit base for k-bit training first).
 

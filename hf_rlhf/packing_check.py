@@ -131,3 +131,35 @@ def check_packing_exact(model: nn.Module, layout: str, max_length: int | None = 
             f"row would see each other or be misplaced. Set {layout}=False; or, if you know better, "
             "packing_check=False to train anyway.")
     return relative
+
+
+@torch.no_grad()
+def right_padding_needs_no_mask(model: nn.Module, lengths: tuple[int, int] = (6, 4), seed: int = 0) -> bool:
+    """Whether a right-padded batch gives its real tokens the same outputs without its attention mask (pure causal
+    attention: no real token sees the padding after it), so that sdpa can take its causal kernel instead of a dense
+    mask. False where the model reads the mask otherwise (positions from the mask other than a running count, say).
+
+    Args:
+        model: a causal LM or a `PeftModel` of one; run in eval mode and put back. lengths: two rows, the second padded.
+        seed: of the random token ids.
+
+    Returns:
+        whether the real positions' outputs (backbone hidden states, else logits) agree within `TOLERANCE`.
+    """
+    base = unwrap_peft(_causal_lm_of(unwrap_peft(model)))
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    vocab = base.config.get_text_config().vocab_size
+    width = max(lengths)
+    input_ids = torch.randint(0, vocab, (len(lengths), width), generator=generator).to(device)
+    mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long().to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        masked = _outputs(model, {"input_ids": input_ids, "attention_mask": mask, "use_cache": False})
+        causal = _outputs(model, {"input_ids": input_ids, "use_cache": False})
+    finally:
+        model.train(was_training)
+    real = mask.bool()
+    difference = (masked[real] - causal[real]).abs().max().item() / max(masked[real].abs().max().item(), 1e-12)
+    return difference <= TOLERANCE.get(_float_dtype(model), HALF_TOLERANCE)  # NaN: False

@@ -226,6 +226,58 @@ def gathered_completion_logps(logits: torch.Tensor, row_index: torch.Tensor, log
     return token_statistics(selected, target_ids, gather_mask, ld_alpha)
 
 
+def padded_gather_index(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The padded layout's completion tokens in the gathered form of `gathered_completion_logps`: the logit at t
+    predicts token t + 1, so sequence i's completion token j is predicted at `logit_index[i, j]` of its own row.
+
+    Args:
+        input_ids: (N, T). completion_mask: (N, T) 1 on the completion tokens to score.
+
+    Returns:
+        {"row_index": (N,) arange, "logit_index": (N, L) positions in [0, T - 1) in order (0 past a sequence's last
+        completion token), "target_ids": (N, L), "gather_mask": (N, L)}; L = the longest completion (at least 1).
+
+    >>> g = padded_gather_index(torch.tensor([[5, 6, 7, 0], [5, 8, 0, 0]]), torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0]]))
+    >>> g["logit_index"], g["target_ids"], g["gather_mask"]  # doctest: +NORMALIZE_WHITESPACE
+    (tensor([[0, 1], [0, 0]]), tensor([[6, 7], [8, 0]]), tensor([[1, 1], [1, 0]]))
+    """
+    scored = completion_mask[:, 1:].bool()
+    length = max(int(scored.sum(1).max()) if scored.numel() else 0, 1)
+    # a stable sort puts each row's scored positions first, in their order
+    order = torch.sort((~scored).to(torch.uint8), dim=1, stable=True).indices[:, :length]
+    gather_mask = scored.gather(1, order)
+    return {"row_index": torch.arange(input_ids.shape[0], device=input_ids.device),
+            "logit_index": order * gather_mask, "target_ids": input_ids[:, 1:].gather(1, order) * gather_mask,
+            "gather_mask": gather_mask.long()}
+
+
+def logits_to_keep_per_row(row_index: torch.Tensor, logit_index: torch.Tensor,
+                           num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions whose logits a forward must compute (transformers' `logits_to_keep` as a 2D integer tensor:
+    each row's positions, the same count per row), and where each gathered logit lands in its output.
+
+    Args:
+        row_index: (N,) the row of each sequence. logit_index: (N, L) the positions predicting its tokens.
+        num_rows: R, the forward's batch size.
+
+    Returns:
+        keep: (R, K) positions, K = L × the most sequences on one row (unused slots: position 0).
+        column: (N, L): with `logits` = the forward's (R, K, V) output, sequence i's token j is predicted by
+            `logits[row_index[i], column[i, j]]` (= the full forward's `logits[row_index[i], logit_index[i, j]]`).
+
+    >>> keep, column = logits_to_keep_per_row(torch.tensor([0, 1, 0]), torch.tensor([[3, 4], [1, 2], [5, 0]]), 2)
+    >>> keep, column  # doctest: +NORMALIZE_WHITESPACE
+    (tensor([[3, 4, 5, 0], [1, 2, 0, 0]]), tensor([[0, 1], [0, 1], [2, 3]]))
+    """
+    length = logit_index.shape[1]
+    on_row = torch.nn.functional.one_hot(row_index, num_rows)  # (N, R)
+    slot = (on_row.cumsum(0) - 1).gather(1, row_index.unsqueeze(1))  # (N, 1): earlier sequences on the same row
+    column = slot * length + torch.arange(length, device=logit_index.device)
+    keep = logit_index.new_zeros(num_rows, int(on_row.sum(0).max()) * length)
+    keep[row_index.unsqueeze(1), column] = logit_index
+    return keep, column
+
+
 def token_statistics(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
                      ld_alpha: float | None = None) -> dict[str, torch.Tensor]:
     """Per-sequence completion log-probs and per-token statistics from the logits that predict each token.

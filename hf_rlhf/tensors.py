@@ -198,3 +198,13 @@ def last_token_index_packed(lengths) -> torch.Tensor:
     if (lengths < 1).any():
         raise ValueError(f"sequence lengths must be >= 1, got {lengths.tolist()}")
     return lengths.cumsum(0) - 1
+
+
+def is_right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row of a (B, T) 0/1 attention mask is its real tokens then only padding.
+
+    >>> is_right_padded(torch.tensor([[1, 1, 0], [1, 1, 1]])), is_right_padded(torch.tensor([[0, 1, 1]]))
+    (True, False)
+    """
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return bool(torch.equal(attention_mask.bool(), positions < attention_mask.sum(1, keepdim=True)))

@@ -6,8 +6,10 @@ padded chosen‖rejected batches (`trl`'s own `DataCollatorForPreference`), or p
 (`collators.dpo`); and
 
 - `compute_loss`: one policy forward over the 2B sequences, summed completion log-probs (`preference_losses.
-  completion_logps`), the reference's (below), then `preference_losses.combined_loss` (every TRL `loss_type`,
-  `loss_weights`, WPO weights, f-divergences, LD-DPO; SimPO and ORPO reference-free). Logs TRL 1.16's metrics:
+  completion_logps`; logits only at the positions predicting a completion token, `use_logits_to_keep`; on sdpa the
+  padded rows without their right-padding mask, so that attention takes its causal kernel), the reference's (below),
+  then `preference_losses.combined_loss` (every TRL `loss_type`, `loss_weights`, WPO weights, f-divergences, LD-DPO;
+  SimPO and ORPO reference-free). Logs TRL 1.16's metrics:
   `rewards/{chosen,rejected,accuracies,margins}`, `logps/{chosen,rejected}`, `logits/{chosen,rejected}`, `entropy`,
   `mean_token_accuracy`, `num_tokens`.
 - The reference: a given `ref_model` (frozen); else, for a LoRA / QLoRA policy, the same model with its adapters off
@@ -33,17 +35,27 @@ from ..configs import DPOConfig, ModelConfig
 from ..data import ensure_pad_token, main_process_first_if_cached
 from ..data.dpo import check_dpo_rows, prepare_dpo_dataset
 from ..data.streaming import check_streamed_training, is_streamed
-from ..models import check_trainable, resolve_model, router_aux_loss_coef, set_router_aux_loss
-from ..packing_check import check_packing_exact
+from ..models import (
+    check_trainable,
+    logits_to_keep_unsupported,
+    resolve_model,
+    router_aux_loss_coef,
+    set_router_aux_loss,
+)
+from ..packing_check import check_packing_exact, right_padding_needs_no_mask
 from ..preference_losses import (
     REFERENCE_FREE_LOSS_TYPES,
     combined_loss,
     completion_logps,
     gathered_completion_logps,
+    logits_to_keep_per_row,
     needs_reference,
+    padded_gather_index,
+    token_statistics,
     wpo_weights,
 )
 from ..reward_models import disable_dropout, reward_config_of
+from ..tensors import is_right_padded
 from .base import BaseTrainer
 
 logger = logging.getLogger("hf_rlhf")
@@ -146,6 +158,10 @@ class DPOTrainer(BaseTrainer):
             ref_model.eval().requires_grad_(False)
             if set_router_aux_loss(ref_model, None):  # an MoE reference: only its logits are used, no router loss
                 set_router_aux_loss(ref_model, 0.0)  # (its 4D prefix-sharing mask is not one the router loss reads)
+        # padded rows are right-padded: under causal attention no real token sees a pad, so sdpa can drop the mask and
+        # take its causal kernel (exact where the model's self-check agrees; an MoE router loss reads the mask)
+        self._drop_padding_mask = (layout is None and attn == "sdpa" and not self.aux_loss_enabled and all(
+            right_padding_needs_no_mask(m) for m in (model, ref_model) if m is not None))
 
         prepare = lambda d, name: self._prepare(d, processing_class, args, name, id(d) in checked)  # noqa: E731
         train_dataset = prepare(train_dataset, "train")
@@ -169,6 +185,9 @@ class DPOTrainer(BaseTrainer):
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         self.label_names = []  # no labels: the loss is the model's own
+        self._keeps_logits = {"policy": self._can_keep_logits(model, "policy"),
+                              "reference": self._can_keep_logits(ref_model if ref_model is not None else model,
+                                                                 "reference") if uses_reference else False}
         self.uses_reference = uses_reference
         self._eager = attn == "eager"
         self.ref_model = None
@@ -219,12 +238,25 @@ class DPOTrainer(BaseTrainer):
             logger.info("%s dataset: %d pairs", name, len(prepared))
         return prepared
 
-    # -- reference log-probs -------------------------------------------------------------------
-    def _model_inputs(self, inputs: dict) -> dict:
+    # -- forwards ------------------------------------------------------------------------------
+    def _can_keep_logits(self, model, role: str) -> bool:
+        if not self.args.use_logits_to_keep:
+            return False
+        reason = logits_to_keep_unsupported(model)
+        if reason:
+            logger.info("use_logits_to_keep: the %s computes every position's logits (%s)", role, reason)
+        return reason is None
+
+    def _model_inputs(self, inputs: dict, full_logits: bool = False) -> dict:
+        """The model's keyword arguments; `full_logits`: every position's logits are read (the padding ones too), so
+        the padding mask stays."""
         model_inputs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
         model_inputs["use_cache"] = False
         mask = model_inputs.get("attention_mask")
-        if mask is not None and mask.ndim == 4 and self._eager:
+        drop_mask = self._drop_padding_mask and not full_logits
+        if mask is not None and mask.ndim == 2 and drop_mask and is_right_padded(mask):
+            del model_inputs["attention_mask"]  # causal attention alone: see __init__
+        elif mask is not None and mask.ndim == 4 and self._eager:
             # eager attention adds the mask to its scores: the prefix-sharing boolean mask becomes 0 / -inf-like
             model_inputs["attention_mask"] = torch.zeros(mask.shape, device=mask.device).masked_fill(
                 ~mask, torch.finfo(torch.float32).min)
@@ -237,15 +269,42 @@ class DPOTrainer(BaseTrainer):
                                              inputs["target_ids"], inputs["gather_mask"], self.args.ld_alpha)
         return completion_logps(logits, inputs["input_ids"], inputs["completion_mask"], self.args.ld_alpha)
 
+    @staticmethod
+    def _gather_index(inputs: dict) -> dict:
+        """Where each completion token's logit is, in any layout (row_index, logit_index, target_ids, gather_mask)."""
+        if "logit_index" in inputs:
+            return inputs
+        return padded_gather_index(inputs["input_ids"], inputs["completion_mask"])
+
+    def _forward(self, model, model_inputs: dict, inputs: dict, keep_logits: bool, gather: dict | None = None):
+        """(outputs, `_statistics`) of one forward; with `keep_logits`, logits only where a completion token is
+        predicted (`outputs.logits` is then (R, K, V), see `preference_losses.logits_to_keep_per_row`)."""
+        if not keep_logits:
+            outputs = model(**model_inputs)
+            return outputs, self._statistics(outputs.logits, inputs)
+        gather = gather or self._gather_index(inputs)
+        rows = gather["row_index"].unsqueeze(1)
+        keep, column = logits_to_keep_per_row(gather["row_index"], gather["logit_index"],
+                                              model_inputs["input_ids"].shape[0])
+        outputs = model(**model_inputs, logits_to_keep=keep)
+        if outputs.logits.shape[:2] != keep.shape:
+            raise RuntimeError(f"use_logits_to_keep: the forward returned logits of shape {tuple(outputs.logits.shape)}"
+                               f" for positions {tuple(keep.shape)}; set DPOConfig.use_logits_to_keep=False.")
+        return outputs, token_statistics(outputs.logits[rows, column], gather["target_ids"], gather["gather_mask"],
+                                         self.args.ld_alpha)
+
+    # -- reference log-probs -------------------------------------------------------------------
+
     @torch.no_grad()
-    def _reference_logps(self, model_inputs: dict, inputs: dict):
+    def _reference_logps(self, model_inputs: dict, inputs: dict, gather: dict | None = None):
         """(chosen (B,), rejected (B,)) summed completion log-probs under the reference."""
+        keep = self._keeps_logits["reference"]
         if self.ref_model is not None:
-            logits = self.ref_model(**model_inputs).logits
+            _, stats = self._forward(self.ref_model, model_inputs, inputs, keep, gather)
         else:  # a peft policy: the base with every adapter off
             with adapter_scope(self.accelerator.unwrap_model(self.model), None):
-                logits = self.model(**model_inputs).logits
-        return self._statistics(logits, inputs)["logps"].chunk(2)
+                _, stats = self._forward(self.model, model_inputs, inputs, keep, gather)
+        return stats["logps"].chunk(2)
 
     def _with_ref_logps(self, dataset, name: str, batch_size: int):
         """`dataset` with `ref_chosen_logps` / `ref_rejected_logps` columns, read from `output_dir/ref_logps/` when a
@@ -282,9 +341,11 @@ class DPOTrainer(BaseTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
         mode = "train" if self.model.training else "eval"
-        model_inputs = self._model_inputs(inputs)
-        outputs = model(**model_inputs)
-        stats = self._statistics(outputs.logits, inputs)
+        model_inputs = self._model_inputs(inputs, full_logits=return_outputs)
+        # the full logits when the caller reads them (prediction_step), else only those the loss needs
+        keep = self._keeps_logits["policy"] and not return_outputs
+        gather = self._gather_index(inputs) if keep or self._keeps_logits["reference"] else None
+        outputs, stats = self._forward(model, model_inputs, inputs, keep, gather)
         chosen, rejected = stats["logps"].chunk(2)
         chosen_len, rejected_len = stats["lengths"].chunk(2)
         ref_chosen = ref_rejected = None
@@ -292,7 +353,7 @@ class DPOTrainer(BaseTrainer):
             if "ref_chosen_logps" in inputs:
                 ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
             else:
-                ref_chosen, ref_rejected = self._reference_logps(model_inputs, inputs)
+                ref_chosen, ref_rejected = self._reference_logps(model_inputs, inputs, gather)
         pair_weights = None
         if args.use_weighting:
             w_chosen, w_rejected = wpo_weights(stats["token_logps"], stats["log_sum_sq_probs"], stats["mask"]).chunk(2)
@@ -342,7 +403,7 @@ class DPOTrainer(BaseTrainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
+            if prediction_loss_only:
+                return self.compute_loss(model, inputs).detach(), None, None
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        if prediction_loss_only:
-            return loss.detach(), None, None
         return loss.detach(), outputs.logits, inputs["input_ids"]  # TRL's: the policy's logits and the input ids
