@@ -123,7 +123,8 @@ def make_trainer(tmp_path, tokenizer, estimator="grpo", arch="llama", tools=(add
     return trainer
 
 
-@pytest.mark.parametrize("arch,backend", [("llama", "generate"), ("qwen2", "generate"), ("llama", "static")])
+@pytest.mark.parametrize("arch,backend", [("llama", "generate"), ("qwen2", "generate"), ("llama", "static"),
+                                          ("qwen2", "lean")])
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
 def test_tool_rollout_trains_and_keeps_the_ids_the_policy_saw(tmp_path, tool_tokenizer, estimator, arch, backend):
     store = []
