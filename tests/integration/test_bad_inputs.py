@@ -286,7 +286,7 @@ def test_sft_and_reward_trainers_check_rows_before_they_load_the_model(tmp_path,
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("no_colon", "--reward_source function needs --reward_function 'package.module:function'"),
+    ("no_colon", "--reward_function needs 'package.module:function' (the reward"),
     ("no_such_module_xyz:f", "--reward_function no_such_module_xyz:f: cannot import 'no_such_module_xyz'"),
     ("hf_rlhf.toy:no_such_function", "module 'hf_rlhf.toy' has no function 'no_such_function'"),
 ])
