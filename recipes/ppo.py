@@ -11,9 +11,8 @@ line or in a YAML file given with `--config` (command-line values win); unknown 
 `dataset_name` the run is the embedded toy task (`hf_rlhf.toy.chain`, with its own options: a missing SFT policy
 or reward model is built first with recipes/sft.py / reward.py). Evaluation on held-out prompts, greedy, before
 and after: `score` is the mean training reward; a 0/1 reward also gives `exact_match`, and the toy task checks it
-against the ground truth. `--tools module:function,...` gives the policy tools to call in its rollouts (multi-turn,
-`PPOTrainer(tools=...)`; evaluation and logged samples then call them too, and report the tool calls per completion
-and their error rate); `--tools none` switches off a config's tools. Writes the policy (and `value/`), `results.json` and `ppo_curves.png` to `output_dir`.
+against the ground truth. `--tools module:function,...` (or `none`): tools for rollouts, evaluation and samples, with
+tool calls per completion and their error rate. Writes the policy (+ `value/`), results.json, plots to output_dir.
 
 The data is read and checked (a local .json/.jsonl file as written: file, line, row and field in every error)
 before any model is loaded. `--resume_from_checkpoint true` (or `latest`) resumes from the latest complete
@@ -100,8 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         reward, reward_name = script_args.reward_model_path, f"reward model {script_args.reward_model_path}"
     else:
         raise ValueError("reward_source 'model' needs --reward_model_path (or use --reward_source function)")
-    tool_names = f", tools {', '.join(t.__name__ for t in tools)}" if tools else ""
-    print(f"[hf_rlhf] PPO: policy {model_config.model_name_or_path}, reward {reward_name}{tool_names}")
+    print(f"[hf_rlhf] PPO: policy {model_config.model_name_or_path}, reward {reward_name}, tools {len(tools)}")
 
     callbacks = build_callbacks(script_args, args, data, tools)
     trainer = PPOTrainer(model_config.model_name_or_path, reward, args=args, train_dataset=data.train,
