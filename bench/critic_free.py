@@ -7,10 +7,15 @@ Llama policy and tokenizer, takes the same prompts in the same order and does th
 prompt, the same completions per optimizer step (micro-batch x gradient accumulation, one generation per step),
 one pass over each generation (TRL's `num_iterations=1`, hf_rlhf's `num_ppo_epochs=1`), response length and stop
 token (eos), temperature, AdamW and learning rate, fp32, one torch thread, one log per step, the same Python reward
-function. The KL is what each TRL trainer does by default, with its default β:
+function. The KL is where each TRL trainer puts it:
   grpo: β = 0.04 in the loss, k3 per token, token mean over the step (TRL's `beta=0.04`, `loss_type="dapo"`;
-        hf_rlhf `kl_in_loss=True, kl_estimator="k3", kl_coef=0.04`); group-normalised advantages.
-  rloo: β = 0.05 as a reward penalty, β·Σ k1 subtracted from the score (TRL's `beta=0.05`; hf_rlhf `kl_coef=0.05`).
+        hf_rlhf `kl_in_loss=True, kl_estimator="k3", kl_coef=0.04`); group-normalised advantages. TRL 1.16's
+        default is `beta=0.0` (no reference model, no KL): `--grpo_beta 0` measures that (hf_rlhf `kl_coef=0`).
+  rloo: β = 0.05 as a reward penalty, β·Σ k1 subtracted from the score (TRL's default `beta=0.05`; hf_rlhf
+        `kl_coef=0.05`).
+hf_rlhf runs with its defaults otherwise: with G > 1 completions per prompt that includes `prefix_sharing` (the
+prompt computed once for the completions of a forward); `hf_rlhf_grpo_unshared` is the same run with it off, to
+measure that saving alone.
 Episodes (completions generated) and optimizer steps are counted in every run and checked equal across a pair.
 
 episodes/s = completions generated / wall time of `trainer.train()` (episodes/CPU-s: / its CPU time, one thread,
@@ -49,6 +54,7 @@ CONFIGS = {
     "hf_rlhf_rloo": ("hf_rlhf", "rloo", None), "trl_rloo": ("trl", "rloo", None),
     # hf_rlhf GRPO with an explicit `PPOConfig.generation_backend` (hf_rlhf_grpo: the trainer's default)
     "hf_rlhf_grpo_generate": ("hf_rlhf", "grpo", None), "hf_rlhf_grpo_lean": ("hf_rlhf", "grpo", None),
+    "hf_rlhf_grpo_unshared": ("hf_rlhf", "grpo", None),  # prefix_sharing=False: every completion runs its prompt
     # the value group: what the value function costs, on PPO's one sample per prompt (--configs value)
     "hf_rlhf_reinforce_pp": ("hf_rlhf", "reinforce_pp", None),
     "hf_rlhf_ppo_value_head": ("hf_rlhf", "gae", "head"),
@@ -57,7 +63,9 @@ CONFIGS = {
 DEFAULT_CONFIGS = ("hf_rlhf_grpo", "trl_grpo", "hf_rlhf_rloo", "trl_rloo")
 VALUE_CONFIGS = ("hf_rlhf_reinforce_pp", "hf_rlhf_ppo_value_head", "hf_rlhf_ppo_value_model")
 BACKENDS = {"hf_rlhf_grpo_generate": "generate", "hf_rlhf_grpo_lean": "lean"}
+OPTIONS = {"hf_rlhf_grpo_unshared": {"prefix_sharing": False}}  # PPOConfig options of a configuration
 REFERENCE = {"hf_rlhf_grpo": "trl_grpo", "hf_rlhf_grpo_generate": "trl_grpo", "hf_rlhf_grpo_lean": "trl_grpo",
+             "hf_rlhf_grpo_unshared": "trl_grpo",
              "hf_rlhf_rloo": "trl_rloo", "hf_rlhf_ppo_value_head": "hf_rlhf_reinforce_pp",
              "hf_rlhf_ppo_value_model": "hf_rlhf_reinforce_pp"}
 PRESETS = {
@@ -87,13 +95,14 @@ def build_trl(estimator: str, model_dir: str, prompts, settings: dict, output_di
 
     config, trainer_class = (GRPOConfig, GRPOTrainer) if estimator == "grpo" else (RLOOConfig, RLOOTrainer)
     args = config(**trainer_options(settings, output_dir), num_generations=settings["num_generations"],
-                  max_completion_length=settings["response_length"], beta=KL[estimator], num_iterations=1)
+                  max_completion_length=settings["response_length"], beta=settings["betas"][estimator],
+                  num_iterations=1)
     trainer = trainer_class(model=model_dir, reward_funcs=digit_reward, args=args, train_dataset=prompts)
     return trainer, {"policy": trainer.model, "reference": trainer.ref_model}
 
 
 def build_hf_rlhf(estimator: str, model_dir: str, prompts, settings: dict, output_dir: str, value: str | None = None,
-                  backend: str | None = None):
+                  backend: str | None = None, name: str | None = None):
     from hf_rlhf import PPOConfig, PPOTrainer
 
     kl = dict(kl_in_loss=True, kl_estimator="k3") if estimator == "grpo" else dict(kl_estimator="k1")
@@ -102,7 +111,8 @@ def build_hf_rlhf(estimator: str, model_dir: str, prompts, settings: dict, outpu
     args = PPOConfig(**trainer_options(settings, output_dir), advantage_estimator=estimator,
                      num_generations=num_generations(estimator, settings), num_ppo_epochs=1,
                      rollout_batch_size=settings["micro"] * settings["grad_accum"],
-                     response_length=settings["response_length"], kl_coef=KL[estimator], **kl)
+                     response_length=settings["response_length"], kl_coef=settings["betas"][estimator], **kl,
+                     **OPTIONS.get(name, {}))
     # the value model: a one-label classifier on the policy's weights (TRL's PPO examples start it from the RM)
     trainer = PPOTrainer(model_dir, digit_reward, args=args, train_dataset=prompts,
                          value_model=model_dir if value == "model" else None)
@@ -135,7 +145,8 @@ def worker(name: str, settings: dict, threads: int, model_dir: str) -> dict:
         if library == "trl":
             trainer, models = build_trl(estimator, model_dir, prompts, settings, tmp)
         else:
-            trainer, models = build_hf_rlhf(estimator, model_dir, prompts, settings, tmp, value, BACKENDS.get(name))
+            trainer, models = build_hf_rlhf(estimator, model_dir, prompts, settings, tmp, value, BACKENDS.get(name),
+                                            name)
         timed = {role: model for role, model in models.items() if model is not None}
         if value != "model":
             timed.pop("value", None)  # a value head is no backbone: its cost is inside the policy's forward
@@ -251,6 +262,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated, of {', '.join(CONFIGS)}; 'value' = the value group")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--grpo_beta", type=float, default=KL["grpo"],
+                        help="GRPO's β on both sides (0.04 in the loss by default; 0: TRL 1.16's default, no reference)")
     parser.add_argument("--output", default="bench/results/critic_free.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
@@ -263,7 +276,7 @@ def main(argv=None) -> dict:
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
-    settings = PRESETS["quick" if cli.quick else "full"]
+    settings = dict(PRESETS["quick" if cli.quick else "full"], betas=dict(KL, grpo=cli.grpo_beta))
     runs = []
     with tempfile.TemporaryDirectory() as root:
         model_dir = prepare(settings, root)
@@ -282,7 +295,9 @@ def main(argv=None) -> dict:
     print()
     print(phase_table(runs, configs))
     chosen = "" if cli.configs == ",".join(DEFAULT_CONFIGS) else f" --configs {cli.configs}"
-    print(f"\nReproduce: `python bench/critic_free.py{' --quick' if cli.quick else ''}{chosen} --repeats {cli.repeats}`")
+    beta = "" if cli.grpo_beta == KL["grpo"] else f" --grpo_beta {cli.grpo_beta:g}"
+    quick = " --quick" if cli.quick else ""
+    print(f"\nReproduce: `python bench/critic_free.py{quick}{chosen}{beta} --repeats {cli.repeats}`")
     return report
 
 

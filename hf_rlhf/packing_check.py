@@ -18,6 +18,7 @@ from torch import nn
 
 from .collators import PackingCollator, PairwiseCollator
 from .reward_models import ValueHeadModel, backbone_of, unwrap_peft
+from .tensors import additive_mask
 
 LAYOUTS = ("packing", "padding_free", "prefix_sharing")
 # max |packed - apart| / max |apart| allowed: float32 rounding, or half-precision rounding
@@ -104,8 +105,7 @@ def check_packing_exact(model: nn.Module, layout: str, max_length: int | None = 
                                                                             "rejected_ids": second}])
             mask = batch["attention_mask"]
             if attn == "eager":  # eager adds the mask to its scores (as RewardTrainer passes it)
-                mask = torch.zeros(mask.shape, dtype=_float_dtype(model)).masked_fill(~mask, torch.finfo(
-                    _float_dtype(model)).min)
+                mask = additive_mask(mask, _float_dtype(model))
             laid_out = run({"input_ids": batch["input_ids"], "attention_mask": mask,
                             "position_ids": batch["position_ids"]})
             shared = len(first) + len(second) - batch["input_ids"].shape[1]

@@ -208,3 +208,12 @@ def is_right_padded(attention_mask: torch.Tensor) -> bool:
     """
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     return bool(torch.equal(attention_mask.bool(), positions < attention_mask.sum(1, keepdim=True)))
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A boolean attention mask (True: may attend) as the additive one eager attention adds to its scores.
+
+    >>> additive_mask(torch.tensor([True, False]))
+    tensor([ 0.0000e+00, -3.4028e+38])
+    """
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)

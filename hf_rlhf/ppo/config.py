@@ -73,6 +73,14 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             same tokens as "generate" (greedy, and sampled with the same seed) without generate's per-step Python
             overhead; options it does not implement (repetition_penalty, min_new_tokens, num_beams, ... in
             generation_kwargs or the model's generation_config) are a ValueError naming them.
+        prefix_sharing: rows of a forward that share a prompt (the G completions of a group estimator) run as one
+            row [prompt | completion 1 | ... | completion k] with a 4D attention mask, the prompt computed once, in
+            the reference's forward, the rollout's policy forward and the loss's forward and backward
+            (`hf_rlhf.ppo.shared_prompts`; DPOConfig's option of the same name, with G tails). The same
+            log-probs and values to float rounding. None (default): on when num_generations > 1 and every model
+            takes the 4D mask (sdpa or eager attention; checked on the model before training,
+            `hf_rlhf.packing_check`), else off with a log line; True: required (an error where it cannot be);
+            False: off.
             Default "generate" on every device: on this project's loaded 2-core CPU (bench/generation.py, README
             "Benchmarks") compiled "static" decoded a 42M Llama at 1.14x generate's tokens/s (per-round ratios 1.35
             and 0.94: within the machine's noise) and the 0.9M toy at 0.83x, after 24-28 s of compile per (batch,
@@ -180,6 +188,10 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
                           "(static KV cache, decoding forward compiled, prompts bucketed) or lean (a minimal "
                           "decode loop with a DynamicCache, generate's tokens).",
                   "choices": list(GENERATION_BACKENDS)},
+    )
+    prefix_sharing: bool | None = field(
+        default=None, metadata={"help": "Run the completions of one prompt in one row, the prompt computed once. "
+                                        "None: on for num_generations > 1 where the model takes a 4D mask."},
     )
     stop_token: str | None = field(
         default="eos", metadata={"help": "'eos' to end responses at the eos token, or None (run to response_length)."}

@@ -40,6 +40,8 @@ from ..reward_models import (
     token_scores,
     unwrap_peft,
 )
+from ..tensors import additive_mask
+from .shared_prompts import shared_prompt_layout
 
 VALUE_DIR = "value"
 
@@ -171,12 +173,23 @@ def sequence_inputs(query_ids, query_mask, response_ids, response_mask) -> dict[
             "position_ids": position_ids}
 
 
+def _attention_of(model: nn.Module) -> str | None:
+    """The attention implementation of `model` (a DDP / DeepSpeed wrapper, `PolicyAndValue`, peft or causal LM)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def _values_of(output) -> torch.Tensor | None:
     return output.get("token_values")  # None for a plain causal LM (the reference)
 
 
 def response_logits(model: nn.Module, query_ids, query_mask, response_ids, response_mask, temperature: float = 1.0,
-                    extra_rows: tuple[torch.Tensor, torch.Tensor] | None = None):
+                    extra_rows: tuple[torch.Tensor, torch.Tensor] | None = None, share_prompts: bool = False):
     """Run `model` on prompt + response and keep what predicts each response token.
 
     Args:
@@ -185,11 +198,24 @@ def response_logits(model: nn.Module, query_ids, query_mask, response_ids, respo
         temperature: response logits are divided by it (the distribution that sampled the responses).
         extra_rows: (input_ids, attention_mask), (B2, L) right-padded rows run in the same forward (the ptx
             batch: one forward, so DDP sees each parameter used once per backward).
+        share_prompts: rows with the same prompt run as one row, the prompt computed once
+            (`hf_rlhf.ppo.shared_prompts`; not with `extra_rows`); the same outputs to float rounding.
 
     Returns:
         (logits (B, R, V), values (B, R) or None for a plain causal LM, extra logits (B2, L, V) or None):
         position t is what the model predicts for response token t, i.e. its output at the token before it.
     """
+    layout = shared_prompt_layout(query_ids, query_mask, response_ids, response_mask) if (
+        share_prompts and extra_rows is None) else None
+    if layout is not None:
+        inputs = dict(layout.inputs)
+        if _attention_of(model) == "eager":  # eager adds the mask to its scores
+            inputs["attention_mask"] = additive_mask(inputs["attention_mask"], _float_dtype(model))
+        out = model(**inputs, logits_to_keep=layout.keep)
+        values = _values_of(out)
+        if values is not None:
+            values = layout.gather(values[:, -layout.keep:])
+        return layout.gather(out.logits) / temperature, values, None
     inputs = sequence_inputs(query_ids, query_mask, response_ids, response_mask)
     length = response_ids.shape[1]
     if extra_rows is None:

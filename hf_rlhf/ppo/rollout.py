@@ -61,10 +61,12 @@ class RolloutMaker:
             required with `tool_rollout`.
         rollout_func: `prompts -> dict`, TRL's `rollout_func` bound to the trainer: replaces steps 1-3 (see
             `hf_rlhf.ppo.multiturn.rollout_func_sample` for what it returns).
+        share_prompts: the forwards run the rows of one prompt as one row (`PPOConfig.prefix_sharing`).
     """
 
     def __init__(self, args, tokenizer, compute_rewards, accelerator, ref_model=None, reward_stats=None,
-                 tool_rollout: ToolRollout | None = None, row_tools=None, rollout_func=None):
+                 tool_rollout: ToolRollout | None = None, row_tools=None, rollout_func=None,
+                 share_prompts: bool = False):
         self.args, self.tokenizer, self.compute_rewards = args, tokenizer, compute_rewards
         self.accelerator, self.ref_model, self.reward_stats = accelerator, ref_model, reward_stats
         self.collator = LeftPaddingCollator(tokenizer.pad_token_id)
@@ -75,6 +77,7 @@ class RolloutMaker:
         self._engine_checked = False
         self.tool_rollout, self.row_tools, self.rollout_func = tool_rollout, row_tools, rollout_func
         self._tool_counts = [0, 0, 0]  # calls, failures, completions of this rollout (every generation round)
+        self.share_prompts = share_prompts  # `PPOConfig.prefix_sharing` as the trainer resolved it
 
     @torch.no_grad()
     def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None, refill=None):
@@ -300,7 +303,8 @@ class RolloutMaker:
             part = [t[start:start + args.local_rollout_forward_batch_size]
                     for t in (query_ids, query_mask, response_ids, response_mask)]
             if policy:
-                logits, value, _ = response_logits(model, *part, temperature=args.temperature)
+                logits, value, _ = response_logits(model, *part, temperature=args.temperature,
+                                                   share_prompts=self.share_prompts)
                 logprobs.append(logprobs_from_logits(logits, part[2]))
                 values.append(value if value is not None else torch.zeros_like(logprobs[-1]))  # critic-free
                 del logits
@@ -316,11 +320,13 @@ class RolloutMaker:
 
     def _reference_logits(self, policy, part):
         if self.ref_model is not None:
-            return response_logits(self.ref_model, *part, temperature=self.args.temperature)[0]
+            return response_logits(self.ref_model, *part, temperature=self.args.temperature,
+                                   share_prompts=self.share_prompts)[0]
         if unwrap_peft(policy) is policy:
             raise ValueError("no reference model: pass ref_model, or use a PeftModel policy (reference = adapters off)")
         with adapter_scope(policy, None):  # the LoRA policy's base is the reference; requires_grad restored after
-            return response_logits(policy, *part, temperature=self.args.temperature)[0]
+            return response_logits(policy, *part, temperature=self.args.temperature,
+                                   share_prompts=self.share_prompts)[0]
 
     def _shape_scores(self, raw_scores, stopped, reward_moments) -> torch.Tensor:
         """Normalise, clip, then subtract the missing-eos penalty (see `PPOConfig`)."""

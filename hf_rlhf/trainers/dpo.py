@@ -55,7 +55,7 @@ from ..preference_losses import (
     wpo_weights,
 )
 from ..reward_models import disable_dropout, reward_config_of
-from ..tensors import is_right_padded
+from ..tensors import additive_mask, is_right_padded
 from .base import BaseTrainer
 
 logger = logging.getLogger("hf_rlhf")
@@ -258,8 +258,7 @@ class DPOTrainer(BaseTrainer):
             del model_inputs["attention_mask"]  # causal attention alone: see __init__
         elif mask is not None and mask.ndim == 4 and self._eager:
             # eager attention adds the mask to its scores: the prefix-sharing boolean mask becomes 0 / -inf-like
-            model_inputs["attention_mask"] = torch.zeros(mask.shape, device=mask.device).masked_fill(
-                ~mask, torch.finfo(torch.float32).min)
+            model_inputs["attention_mask"] = additive_mask(mask)
         return model_inputs
 
     def _statistics(self, logits: torch.Tensor, inputs: dict) -> dict:

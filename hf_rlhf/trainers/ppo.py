@@ -44,7 +44,8 @@ from ..ppo.multiturn import ToolRollout
 from ..ppo.policy_value import PolicyAndValue, response_logits
 from ..ppo.rollout import KL_METRICS, RolloutMaker, stop_token_id_of
 from ..ppo.value_adapter import add_value_adapter, resolve_value_adapter
-from ..reward_models import disable_dropout, unwrap_peft
+from ..packing_check import PackingCheckError, check_packing_exact
+from ..reward_models import disable_dropout, reward_config_of, unwrap_peft
 from ..rewards.factory import build_reward_source
 from ..rewards.model import ModelReward
 from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
@@ -195,6 +196,7 @@ class PPOTrainer(BaseTrainer):
                                  "token) or stop_token_id")
         policy = self.add_peft(policy, model_config, args, peft_config, prompt_learning=False)
         module, ref_model = self._build_models(policy, value_model, ref_model, args)
+        self.share_prompts = self._resolve_prefix_sharing(args, module, ref_model)
 
         reward_source = None if reward_model is None else build_reward_source(
             reward_model, reward_processing_class, device=args.device, batch_size=args.local_rollout_forward_batch_size,
@@ -227,7 +229,8 @@ class PPOTrainer(BaseTrainer):
                                        args.max_tool_calling_iterations, runner)
         self.rollout_maker = RolloutMaker(args, processing_class, self.compute_rewards, self.accelerator, self.ref_model,
                                           reward_stats, tool_rollout, self._row_tools,
-                                          None if rollout_func is None else lambda prompts: rollout_func(prompts, self))
+                                          None if rollout_func is None else lambda prompts: rollout_func(prompts, self),
+                                          share_prompts=self.share_prompts)
         self._loader, self._resume_from = None, None
 
     @staticmethod
@@ -259,6 +262,35 @@ class PPOTrainer(BaseTrainer):
                 if part is not None:
                     disable_dropout(part)
         return PolicyAndValue(policy, value_model, value_adapter=value_adapter), ref_model
+
+    @staticmethod
+    def _resolve_prefix_sharing(args, module, ref_model) -> bool:
+        """`PPOConfig.prefix_sharing` decided on these models: every model that scores the rollout's rows (policy,
+        reference, value model) must take the shared layout's 4D mask and give the padded layout's outputs
+        (`check_packing_exact`, a few ms)."""
+        wanted = args.prefix_sharing
+        if wanted is False or (wanted is None and args.num_generations < 2):
+            return False
+        models = [m for m in (module.policy, ref_model, module.value_model) if m is not None]
+        max_length = None if args.max_prompt_length is None else args.max_prompt_length + args.response_length
+        reason = None
+        for model in models:
+            attn = getattr(reward_config_of(model), "_attn_implementation", None)
+            if attn not in ("sdpa", "eager"):
+                reason = f"{type(unwrap_peft(model)).__name__} runs {attn!r} attention, which takes no 4D mask"
+                break
+            try:
+                check_packing_exact(model, "prefix_sharing", max_length)
+            except PackingCheckError as err:
+                reason = str(err)
+                break
+        if reason is None:
+            logger.info("prefix_sharing: the completions of a prompt share one row (the prompt computed once)")
+            return True
+        if wanted:
+            raise ValueError(f"PPOConfig.prefix_sharing=True cannot be honoured: {reason}")
+        logger.info("prefix_sharing off (rows of a prompt run apart): %s", reason)
+        return False
 
     @staticmethod
     def _prepare_ptx(ptx_dataset, tokenizer, args):
@@ -382,7 +414,8 @@ class PPOTrainer(BaseTrainer):
         extra = (inputs["ptx_input_ids"], inputs["ptx_attention_mask"]) if "ptx_input_ids" in inputs else None
         # attention over every token the policy saw (a multi-turn response's tool results too); the loss over `mask`
         logits, values, ptx_logits = response_logits(model, exp.query_ids, exp.query_mask, exp.response_ids,
-                                                     exp.context_mask, args.temperature, extra_rows=extra)
+                                                     exp.context_mask, args.temperature, extra_rows=extra,
+                                                     share_prompts=self.share_prompts)
         logprobs = logprobs_from_logits(logits, exp.response_ids)
         # one optimizer step per rollout: this forward runs the rollout's weights, so its detached log-probs are
         # the old ones (the rollout skipped its own policy forward; `PPOConfig.old_logprobs_in_loss`)

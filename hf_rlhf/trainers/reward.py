@@ -41,6 +41,7 @@ from ..reward_models import (
     set_reward_stats,
     token_scores,
 )
+from ..tensors import additive_mask
 from .base import BaseTrainer
 from .metrics import real_token_count
 
@@ -178,8 +179,7 @@ class RewardTrainer(BaseTrainer):
         mask = inputs.get("attention_mask")
         if mask is not None and mask.ndim == 4 and self._eager:
             # eager attention adds the mask to its scores: a prefix-sharing boolean mask becomes 0 / -inf-like
-            model_inputs["attention_mask"] = torch.zeros(mask.shape, device=mask.device).masked_fill(
-                ~mask, torch.finfo(torch.float32).min)
+            model_inputs["attention_mask"] = additive_mask(mask)
         scores = token_scores(model, self._score_head, model_inputs)
         rewards = gather_last_token_scores(scores, attention_mask=mask if mask is not None and mask.ndim == 2 else None,
                                            last_token_index=inputs.get("last_token_index"))
