@@ -31,6 +31,7 @@ prompts, one completion per prompt, the same KL (β = 0.05, k1, in the reward) a
     python bench/critic_free.py --configs value          # what PPO's value head / value model costs
     python bench/critic_free.py --configs hf_rlhf_grpo_generate,hf_rlhf_grpo_lean,trl_grpo --repeats 5
     python bench/critic_free.py --quick --repeats 1      # smoke run: 4 workers, ~2 min on 2 busy cores
+    python bench/critic_free.py --configs hf_rlhf_grpo,hf_rlhf_grpo_unshared,trl_grpo --prompts long --repeats 3
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ PRESETS = {
     "quick": dict(model_size="tiny", micro=4, grad_accum=2, num_generations=4, response_length=8, steps=2),
 }
 COMMON = dict(temperature=0.7, learning_rate=1e-5)
+# --prompts long: every prompt behind this instruction (89 tokens of the character-level toy tokenizer), as chat
+# templates and system prompts make real GRPO prompts several times longer than these 6-16 token toy prompts
+LONG_PROMPT_PREFIX = "you are a careful solver. read the task, work it out, then write only the answer. task: "
 KL = {"grpo": 0.04, "rloo": 0.05, "reinforce_pp": 0.05, "gae": 0.05}  # TRL's default betas (GRPO, RLOO)
 
 
@@ -206,7 +210,8 @@ def prepare(settings: dict, root: str) -> str:
     tokenizer.save_pretrained(root)
     for group in {1, settings["num_generations"]}:  # the prompts of one step = its completions / G
         rows = prompt_dataset(settings["micro"] * settings["grad_accum"] // group * settings["steps"], seed=0)
-        Path(root, f"prompts_g{group}.json").write_text(json.dumps([{"prompt": p} for p in rows["prompt"]]))
+        prefix = settings.get("prompt_prefix", "")
+        Path(root, f"prompts_g{group}.json").write_text(json.dumps([{"prompt": prefix + p} for p in rows["prompt"]]))
     return root
 
 
@@ -262,6 +267,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated, of {', '.join(CONFIGS)}; 'value' = the value group")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompts", choices=("short", "long"), default="short",
+                        help="long: every prompt behind a fixed 89-token instruction (LONG_PROMPT_PREFIX)")
     parser.add_argument("--grpo_beta", type=float, default=KL["grpo"],
                         help="GRPO's β on both sides (0.04 in the loss by default; 0: TRL 1.16's default, no reference)")
     parser.add_argument("--output", default="bench/results/critic_free.json")
@@ -276,7 +283,8 @@ def main(argv=None) -> dict:
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
-    settings = dict(PRESETS["quick" if cli.quick else "full"], betas=dict(KL, grpo=cli.grpo_beta))
+    settings = dict(PRESETS["quick" if cli.quick else "full"], betas=dict(KL, grpo=cli.grpo_beta),
+                    prompt_prefix=LONG_PROMPT_PREFIX if cli.prompts == "long" else "")
     runs = []
     with tempfile.TemporaryDirectory() as root:
         model_dir = prepare(settings, root)
@@ -296,7 +304,7 @@ def main(argv=None) -> dict:
     print(phase_table(runs, configs))
     chosen = "" if cli.configs == ",".join(DEFAULT_CONFIGS) else f" --configs {cli.configs}"
     beta = "" if cli.grpo_beta == KL["grpo"] else f" --grpo_beta {cli.grpo_beta:g}"
-    quick = " --quick" if cli.quick else ""
+    quick = (" --quick" if cli.quick else "") + (" --prompts long" if cli.prompts == "long" else "")
     print(f"\nReproduce: `python bench/critic_free.py{quick}{chosen}{beta} --repeats {cli.repeats}`")
     return report
 

@@ -41,3 +41,23 @@ def test_critic_free_bench_quick(tmp_path):
     assert ratio == pytest.approx(runs["hf_rlhf_grpo"]["episodes_per_s"] / runs["trl_grpo"]["episodes_per_s"])
     assert "| config | median episodes/s | median peak RSS MB |" in done.stdout
     assert "Reproduce: `python bench/critic_free.py --quick" in done.stdout
+
+
+def test_critic_free_bench_long_prompts_beta_zero(tmp_path):
+    """`--prompts long --grpo_beta 0` (TRL 1.16's default β): no reference on either side, the long prompts reach
+    both trainers, and hf_rlhf's prompt sharing can be switched off (`hf_rlhf_grpo_unshared`)."""
+    output = tmp_path / "critic_free.json"
+    configs = ["hf_rlhf_grpo_unshared", "trl_grpo"]
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--repeats", "1", "--configs", ",".join(configs), "--prompts", "long",
+         "--grpo_beta", "0", "--output", str(output)],
+        capture_output=True, text=True, timeout=600, cwd=BENCH.parents[1],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(output.read_text())
+    assert results["settings"]["betas"]["grpo"] == 0.0 and results["settings"]["prompt_prefix"].startswith("you are")
+    for run in results["runs"]:
+        assert "weights/reference" not in run["memory"], run["config"]  # β = 0: no reference model built
+        assert "forward/reference/no_grad" not in run["phases"]["seconds"], run["config"]
+    assert "Reproduce: `python bench/critic_free.py --quick --prompts long --configs hf_rlhf_grpo_unshared,trl_grpo " \
+           "--grpo_beta 0 --repeats 1`" in done.stdout
