@@ -135,13 +135,57 @@ class GenerationEngine:
 
 
 class GenerateEngine(GenerationEngine):
-    """transformers' `generate` with its default dynamic cache (the reference engine)."""
+    """transformers' `generate` with its default dynamic cache (the reference engine).
+
+    Args:
+        share_prompts: rows with the same prompt (a group estimator's G samples) prefill it once: the prompt but its
+            last token runs once per distinct prompt, its KV cache is copied to every row of it
+            (`shared_prompt_cache`), and `generate` starts from that cache (transformers' prefix caching). The
+            random draws are generate's own; the logits match the unshared prefill to float rounding.
+    """
 
     name = "generate"
 
+    def __init__(self, share_prompts: bool = False):
+        super().__init__()
+        self.share_prompts = share_prompts
+
     def _generate(self, model, query_ids, query_mask, kwargs):
+        cache = shared_prompt_cache(model, query_ids, query_mask) if self.share_prompts else None
+        if cache is not None:
+            kwargs = dict(kwargs, past_key_values=cache)
         out = model.generate(input_ids=query_ids, attention_mask=query_mask, **kwargs)
         return out[:, query_ids.shape[1]:]
+
+
+@torch.no_grad()
+def shared_prompt_cache(model, query_ids, query_mask):
+    """The KV cache of each row's prompt but its last token, every distinct prompt computed once; None when the rows'
+    prompts are all distinct (or one column wide), or the model's cache cannot be re-indexed by row.
+
+    Args:
+        model: a causal LM (or a `PeftModel` of one) in eval mode.
+        query_ids, query_mask: (B, P) left-padded prompts; rows are the same prompt when ids and mask are equal.
+
+    Returns:
+        A transformers `Cache` of B rows and P - 1 positions, or None.
+    """
+    if query_ids.shape[1] < 2:
+        return None
+    _, group = torch.unique(torch.cat([query_ids, query_mask.to(query_ids.dtype)], dim=1), dim=0, return_inverse=True)
+    distinct = int(group.max()) + 1
+    if distinct == query_ids.shape[0]:
+        return None
+    first = torch.full((distinct,), query_ids.shape[0], dtype=torch.long, device=query_ids.device).scatter_reduce(
+        0, group, torch.arange(query_ids.shape[0], device=query_ids.device), reduce="amin")
+    ids, mask = query_ids[first, :-1], query_mask[first, :-1]
+    position_ids = mask.long().cumsum(-1) - 1
+    position_ids.masked_fill_(mask == 0, 1)  # as generate builds them for left padding
+    cache = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True).past_key_values
+    if not callable(getattr(cache, "batch_select_indices", None)):
+        return None
+    cache.batch_select_indices(group)
+    return cache
 
 
 def _base_model(model):
@@ -357,10 +401,11 @@ def _keep_stepping(this_rank_finished: bool, synced: bool, device) -> bool:
     return flag.item() != 0.0
 
 
-def build_engine(backend: str, **kwargs) -> GenerationEngine:
-    """The engine of `PPOConfig.generation_backend` (one of `GENERATION_BACKENDS`)."""
+def build_engine(backend: str, share_prompts: bool = False, **kwargs) -> GenerationEngine:
+    """The engine of `PPOConfig.generation_backend` (one of `GENERATION_BACKENDS`); `share_prompts`: the `generate`
+    engine prefills each distinct prompt once (`PPOConfig.prefix_sharing`; the other engines ignore it)."""
     if backend == "generate":
-        return GenerateEngine()
+        return GenerateEngine(share_prompts)
     if backend == "lean":
         return LeanDecodeEngine(**kwargs)
     if backend == "static":
