@@ -22,6 +22,7 @@ file written into it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -70,6 +71,16 @@ def _reference_copy(policy):
         raise ValueError("the policy's weights are ZeRO-3 shards and it has no path to load a reference copy from: "
                          "pass ref_model (a path or a model)")
     return load_model(ModelConfig(model_name_or_path=path, dtype=str(policy.dtype).removeprefix("torch.")))
+
+
+def _whole_weights(model):
+    """A context with the weights of `model` whole: gathered (on every rank) when they are ZeRO-3 shards."""
+    parameters = list(model.parameters())
+    if not any(hasattr(p, "ds_id") for p in parameters):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(parameters)
 
 
 class PPOTrainer(BaseTrainer):
@@ -280,7 +291,8 @@ class PPOTrainer(BaseTrainer):
                 reason = f"{type(unwrap_peft(model)).__name__} runs {attn!r} attention, which takes no 4D mask"
                 break
             try:
-                check_packing_exact(model, "prefix_sharing", max_length)
+                with _whole_weights(model):  # ZeRO-3 shards (zero.Init): every rank gathers them for the check
+                    check_packing_exact(model, "prefix_sharing", max_length)
             except PackingCheckError as err:
                 reason = str(err)
                 break
