@@ -201,9 +201,12 @@ def test_two_processes_match_one(runs, engine, task):
     if task not in ("rloo", "reinforce_pp"):
         assert single["loss"][-1] != single["loss"][0]  # it trained
 
-    # saved by rank 0 with the weights gathered (ZeRO-3), reloaded here: the single-process run's model
+    # saved by rank 0 with the weights gathered (ZeRO-3), reloaded here: the single-process run's model. (rtol: with
+    # prefix_sharing each rank lays out its own rows' prompts, the single process all of them, so the float rounding
+    # differs; greedy groups whose first tokens agree have zero-mean advantages that cancel a gradient exactly, and
+    # Adam turns the rounding left of it into a step: 1.1e-4 on a logit of 0.12 after 4 steps, on every engine)
     torch.testing.assert_close(reloaded_outputs(task, multi["out"] / "out"),
-                               reloaded_outputs(task, single["out"] / "out"), atol=TOLERANCE, rtol=0)
+                               reloaded_outputs(task, single["out"] / "out"), atol=TOLERANCE, rtol=2e-3)
 
 
 @pytest.mark.parametrize("engine", [engine_param(e) for e in ("ddp", "deepspeed_zero3")])
