@@ -12,7 +12,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "hf_rlhf")
 # layer of each module, by the longest matching prefix (the docs' table); "toy" may import anything, nothing imports it
 LAYERS = {
     "tensors": 1, "losses": 1, "preference_losses": 1, "ppo.kl": 1, "ppo.advantages": 1, "ppo.critic_free": 1, "ppo.losses": 1,
-    "ppo.running_moments": 1, "ppo.experience": 1, "trainers.metrics": 1, "collators": 1,
+    "ppo.running_moments": 1, "ppo.experience": 1, "ppo.shared_prompts": 1, "trainers.metrics": 1, "collators": 1,
     "tools.masks": 1,
     "configs": 2, "config_checks": 2, "tools": 2, "option_ranges": 2, "imports": 2, "data": 2,
     "models": 3, "reward_models": 3, "adapters": 3, "merge": 3, "packing_check": 3, "generation": 3,
