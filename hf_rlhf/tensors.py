@@ -217,3 +217,21 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> 
     tensor([ 0.0000e+00, -3.4028e+38])
     """
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def prompt_groups(query_ids: torch.LongTensor, query_mask: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Which rows share a prompt (ids and mask equal).
+
+    Returns:
+        (group (B,): each row's group u, first (U,): each group's first row), groups ordered by `torch.unique`.
+
+    >>> prompt_groups(torch.tensor([[6, 7], [0, 5], [6, 7]]), torch.tensor([[1, 1], [0, 1], [1, 1]]))
+    (tensor([1, 0, 1]), tensor([1, 0]))
+    """
+    _, group = torch.unique(torch.cat([query_ids, query_mask.to(query_ids.dtype)], dim=1), dim=0,
+                            return_inverse=True)
+    batch = query_ids.shape[0]
+    rows = torch.arange(batch, device=query_ids.device)
+    first = torch.full((int(group.max()) + 1,), batch, dtype=torch.long, device=query_ids.device).scatter_reduce(
+        0, group, rows, reduce="amin")
+    return group, first

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..tensors import prompt_groups
+
 logger = logging.getLogger("hf_rlhf")
 
 GENERATION_BACKENDS = ("generate", "static", "lean")
@@ -172,12 +174,9 @@ def shared_prompt_cache(model, query_ids, query_mask):
     """
     if query_ids.shape[1] < 2:
         return None
-    _, group = torch.unique(torch.cat([query_ids, query_mask.to(query_ids.dtype)], dim=1), dim=0, return_inverse=True)
-    distinct = int(group.max()) + 1
-    if distinct == query_ids.shape[0]:
+    group, first = prompt_groups(query_ids, query_mask)
+    if first.shape[0] == query_ids.shape[0]:
         return None
-    first = torch.full((distinct,), query_ids.shape[0], dtype=torch.long, device=query_ids.device).scatter_reduce(
-        0, group, torch.arange(query_ids.shape[0], device=query_ids.device), reduce="amin")
     ids, mask = query_ids[first, :-1], query_mask[first, :-1]
     position_ids = mask.long().cumsum(-1) - 1
     position_ids.masked_fill_(mask == 0, 1)  # as generate builds them for left padding

@@ -73,14 +73,6 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             same tokens as "generate" (greedy, and sampled with the same seed) without generate's per-step Python
             overhead; options it does not implement (repetition_penalty, min_new_tokens, num_beams, ... in
             generation_kwargs or the model's generation_config) are a ValueError naming them.
-        prefix_sharing: rows of a forward that share a prompt (the G completions of a group estimator) run as one
-            row [prompt | completion 1 | ... | completion k] with a 4D attention mask, the prompt computed once, in
-            the reference's forward, the rollout's policy forward and the loss's forward and backward
-            (`hf_rlhf.ppo.shared_prompts`; DPOConfig's option of the same name, with G tails). The same
-            log-probs and values to float rounding. None (default): on when num_generations > 1 and every model
-            takes the 4D mask (sdpa or eager attention; checked on the model before training,
-            `hf_rlhf.packing_check`), else off with a log line; True: required (an error where it cannot be);
-            False: off.
             Default "generate" on every device: on this project's loaded 2-core CPU (bench/generation.py, README
             "Benchmarks") compiled "static" decoded a 42M Llama at 1.14x generate's tokens/s (per-round ratios 1.35
             and 0.94: within the machine's noise) and the 0.9M toy at 0.83x, after 24-28 s of compile per (batch,
@@ -90,6 +82,14 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             model's own forward, so per CPU-second lean decoded 1.17-1.18x generate's tokens on the 0.9M toy but
             0.91-1.01x on the 42M Llama, and GRPO (bench/critic_free.py) ran at 1.02-1.03x episodes per CPU-second
             (0.94-1.03x wall, within the machine's noise); it is exact, so it can be chosen freely where its options suffice.
+        prefix_sharing: rows of a forward that share a prompt (the G completions of a group estimator) run as one
+            row [prompt | completion 1 | ... | completion k] with a 4D attention mask, the prompt computed once, in
+            the reference's forward, the rollout's policy forward and the loss's forward and backward
+            (`hf_rlhf.ppo.shared_prompts`; DPOConfig's option of the same name, with G tails). The same
+            log-probs and values to float rounding. None (default): on when num_generations > 1 and every model
+            takes the 4D mask (sdpa or eager attention; checked on the model before training,
+            `hf_rlhf.packing_check`), else off with a log line; True: required (an error where it cannot be);
+            False: off.
         stop_token: "eos" (default) or None; stop_token_id: an explicit stop token (wins over stop_token). The
             response ends after the first stop token; tokens after it are padding.
         missing_eos_penalty: subtracted from the score of a response that never produced the stop token.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import is_peft_model
+from accelerate.utils import extract_model_from_parallel, is_peft_model
 from torch import nn
 from transformers.utils import ModelOutput
 
@@ -175,13 +175,8 @@ def sequence_inputs(query_ids, query_mask, response_ids, response_mask) -> dict[
 
 def _attention_of(model: nn.Module) -> str | None:
     """The attention implementation of `model` (a DDP / DeepSpeed wrapper, `PolicyAndValue`, peft or causal LM)."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
-
-
-def _float_dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    config = getattr(extract_model_from_parallel(model), "config", None)
+    return getattr(config, "_attn_implementation", None)
 
 
 def _values_of(output) -> torch.Tensor | None:
@@ -210,7 +205,7 @@ def response_logits(model: nn.Module, query_ids, query_mask, response_ids, respo
     if layout is not None:
         inputs = dict(layout.inputs)
         if _attention_of(model) == "eager":  # eager adds the mask to its scores
-            inputs["attention_mask"] = additive_mask(inputs["attention_mask"], _float_dtype(model))
+            inputs["attention_mask"] = additive_mask(inputs["attention_mask"])
         out = model(**inputs, logits_to_keep=layout.keep)
         values = _values_of(out)
         if values is not None:

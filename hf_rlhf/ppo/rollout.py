@@ -75,7 +75,8 @@ class RolloutMaker:
         # `PPOConfig.generation_backend`; reads the live policy module, so no `sync_weights` after optimizer steps
         # the shared prefill is one more forward per call: only where generation runs on gathered (or whole) weights,
         # never as a ZeRO-3 collective that ranks with and without repeated prompts would call unevenly
-        self.engine = build_engine(args.generation_backend, share_prompts=share_prompts and args.ds3_gather_for_generation)
+        self.engine = build_engine(args.generation_backend,
+                                   share_prompts=share_prompts and args.ds3_gather_for_generation)
         self._engine_checked = False
         self.tool_rollout, self.row_tools, self.rollout_func = tool_rollout, row_tools, rollout_func
         self._tool_counts = [0, 0, 0]  # calls, failures, completions of this rollout (every generation round)

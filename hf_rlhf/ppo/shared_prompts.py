@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tensors import prompt_groups
+
 
 @dataclass
 class SharedPromptLayout:
@@ -69,8 +71,7 @@ def shared_prompt_layout(query_ids: torch.LongTensor, query_mask: torch.Tensor, 
     batch, width = query_ids.shape
     length = response_ids.shape[1]
     device = query_ids.device
-    _, group = torch.unique(torch.cat([query_ids, query_mask.to(query_ids.dtype)], dim=1), dim=0,
-                            return_inverse=True)
+    group, first = prompt_groups(query_ids, query_mask)
     counts = torch.bincount(group)
     k_max = int(counts.max())
     if k_max == 1:
@@ -81,8 +82,6 @@ def shared_prompt_layout(query_ids: torch.LongTensor, query_mask: torch.Tensor, 
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.empty_like(group)
     slot[order] = torch.arange(batch, device=device) - starts[group[order]]
-    first = torch.full((groups,), batch, dtype=torch.long, device=device).scatter_reduce(
-        0, group, torch.arange(batch, device=device), reduce="amin")
 
     total = width + k_max * length
     columns = width + slot[:, None] * length + torch.arange(length, device=device)  # (B, R) response columns

@@ -34,6 +34,7 @@ from ..collators import PaddingCollator
 from ..configs import DataOptions, ModelConfig
 from ..data import as_dataset, prepare_sft_dataset
 from ..models import load_model, resolve_model
+from ..packing_check import PackingCheckError, check_packing_exact
 from ..ppo.callbacks import EpochFromStepCallback, KLControllerCallback, RewardStatsCallback, find_callback
 from ..ppo.config import PPOConfig
 from ..ppo.experience import Experience
@@ -45,7 +46,6 @@ from ..ppo.multiturn import ToolRollout
 from ..ppo.policy_value import PolicyAndValue, response_logits
 from ..ppo.rollout import KL_METRICS, RolloutMaker, stop_token_id_of
 from ..ppo.value_adapter import add_value_adapter, resolve_value_adapter
-from ..packing_check import PackingCheckError, check_packing_exact
 from ..reward_models import disable_dropout, reward_config_of, unwrap_peft
 from ..rewards.factory import build_reward_source
 from ..rewards.model import ModelReward
@@ -241,7 +241,7 @@ class PPOTrainer(BaseTrainer):
         self.rollout_maker = RolloutMaker(args, processing_class, self.compute_rewards, self.accelerator, self.ref_model,
                                           reward_stats, tool_rollout, self._row_tools,
                                           None if rollout_func is None else lambda prompts: rollout_func(prompts, self),
-                                          share_prompts=self.share_prompts)
+                                          self.share_prompts)
         self._loader, self._resume_from = None, None
 
     @staticmethod
