@@ -174,8 +174,13 @@ def sequence_inputs(query_ids, query_mask, response_ids, response_mask) -> dict[
 
 
 def _attention_of(model: nn.Module) -> str | None:
-    """The attention implementation of `model` (a DDP / DeepSpeed wrapper, `PolicyAndValue`, peft or causal LM)."""
-    config = getattr(extract_model_from_parallel(model), "config", None)
+    """The attention implementation of `model` (a DDP / DeepSpeed wrapper, `PolicyAndValue`, peft or causal LM).
+
+    Read from `model.config` when it has one (every forward of a rollout and the loss asks): accelerate's unwrap
+    checks whether DeepSpeed is installed through package metadata, ~3 ms a call."""
+    config = getattr(model, "config", None)
+    if config is None:  # a DDP / DeepSpeed wrapper has no config of its own
+        config = getattr(extract_model_from_parallel(model), "config", None)
     return getattr(config, "_attn_implementation", None)
 
 
