@@ -21,6 +21,7 @@ no-op.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..tensors import prompt_groups
+from .capture import DecodeCapture, base_model
 
 logger = logging.getLogger("hf_rlhf")
 
@@ -41,14 +43,15 @@ class GenerationOutput:
 
     response_ids: (B, R) the new tokens only (R <= max_new_tokens; rows that stopped early are padded with
         `pad_token_id` after their stop token).
-    logprobs: (B, R) log-probabilities of `response_ids` under the sampling distribution at `temperature`, or
-        None where the engine cannot give them exactly and cheaply (every engine here: the trainer recomputes
-        them in its own forward; the incremental decode's logits differ from that full-sequence forward in the last
-        float bits, so `lean` leaves them None too).
+    logprobs: (B, R) float32 log-probabilities of `response_ids` under softmax(logits / temperature), taken off
+        the decoding forwards (`DecodeCapture`; equal to a full-sequence forward's to float rounding); None unless
+        asked for (`return_logprobs`) and the engine can (`supports_capture`: `generate` and `lean`).
+    hidden: (B, R, H) what the LM head read at each step (after the final norm), with `return_hidden`; else None.
     """
 
     response_ids: torch.LongTensor
     logprobs: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -80,9 +83,11 @@ class GenerationEngine:
     """
 
     name = "base"
+    supports_capture = False  # True: `_generate` runs its decoding forwards inside `self._recording(model)`
 
     def __init__(self):
         self.stats = EngineStats()
+        self._capture: DecodeCapture | None = None
 
     def check_model(self, model) -> None:
         """Raise a ValueError naming the architecture and the reason when this engine cannot serve `model`."""
@@ -94,7 +99,8 @@ class GenerationEngine:
 
     def generate(self, model, query_ids, query_mask, *, max_new_tokens: int, do_sample: bool = True,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
-                 pad_token_id: int, generation_kwargs: dict | None = None) -> GenerationOutput:
+                 pad_token_id: int, generation_kwargs: dict | None = None, return_logprobs: bool = False,
+                 return_hidden: bool = False) -> GenerationOutput:
         """Sample (or, with do_sample=False, greedily decode) up to `max_new_tokens` per row.
 
         Args:
@@ -102,9 +108,12 @@ class GenerationEngine:
             query_ids: (B, P) left-padded prompt ids; query_mask: (B, P), 0 on the padding.
             eos_token_id: stop token (None: every row runs to max_new_tokens).
             generation_kwargs: extra `generate` arguments (override the ones above).
+            return_logprobs, return_hidden: also return the sampled tokens' log-probs at `temperature` (1 without
+                sampling) and the LM head's inputs, taken off the decoding forwards; an engine that cannot
+                (`supports_capture` False) returns None for them.
 
         Returns:
-            `GenerationOutput` with response_ids (B, R).
+            `GenerationOutput` with response_ids (B, R) (and logprobs / hidden when asked for and supported).
         """
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_token_id,
                       eos_token_id=eos_token_id, use_cache=True)
@@ -114,7 +123,15 @@ class GenerationEngine:
         shape = self._shape_key(query_ids, max_new_tokens)
         new_shape = shape is not None and shape not in self.stats.shapes
         start = time.perf_counter()
-        response_ids = self._generate(model, query_ids, query_mask, kwargs)
+        capture = None
+        if return_logprobs and self.supports_capture:
+            capture = DecodeCapture(temperature if do_sample else 1.0, hidden=return_hidden)
+        self._capture = capture
+        try:
+            response_ids = self._generate(model, query_ids, query_mask, kwargs)
+        finally:
+            self._capture = None
+        logprobs, hidden = capture.result(response_ids) if capture is not None else (None, None)
         seconds = time.perf_counter() - start
         stats = self.stats
         stats.calls += 1
@@ -126,7 +143,11 @@ class GenerationEngine:
             stats.compile_seconds += seconds
             logger.info("generation engine %r: first call of shape %s took %.1f s (compile included)", self.name,
                         shape, seconds)
-        return GenerationOutput(response_ids)
+        return GenerationOutput(response_ids, logprobs, hidden)
+
+    def _recording(self, model):
+        """Record the decoding forwards run inside this context when the current call captures (else nothing)."""
+        return self._capture.recording(model) if self._capture is not None else contextlib.nullcontext()
 
     def _shape_key(self, query_ids, max_new_tokens):
         """The shape that triggers a compile (None: this engine never compiles)."""
@@ -147,6 +168,7 @@ class GenerateEngine(GenerationEngine):
     """
 
     name = "generate"
+    supports_capture = True
 
     def __init__(self, share_prompts: bool = False):
         super().__init__()
@@ -156,7 +178,8 @@ class GenerateEngine(GenerationEngine):
         cache = shared_prompt_cache(model, query_ids, query_mask) if self.share_prompts else None
         if cache is not None:
             kwargs = dict(kwargs, past_key_values=cache)
-        out = model.generate(input_ids=query_ids, attention_mask=query_mask, **kwargs)
+        with self._recording(model):  # after the shared prefill: its forward predicts no new token
+            out = model.generate(input_ids=query_ids, attention_mask=query_mask, **kwargs)
         return out[:, query_ids.shape[1]:]
 
 
@@ -187,12 +210,6 @@ def shared_prompt_cache(model, query_ids, query_mask):
     return cache
 
 
-def _base_model(model):
-    """The transformers model under a peft wrapper (its config and compile flags)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 class StaticCacheEngine(GenerationEngine):
     """transformers' `generate` with a `StaticCache`, the decoding step compiled, prompts bucketed.
 
@@ -210,7 +227,7 @@ class StaticCacheEngine(GenerationEngine):
         self.compile, self.bucket, self.compile_mode = compile, bucket, compile_mode
 
     def check_model(self, model) -> None:
-        base = _base_model(model)
+        base = base_model(model)
         if not getattr(base, "_can_compile_fullgraph", False):
             raise ValueError(
                 f"PPOConfig.generation_backend='static' cannot serve {type(base).__name__} "
@@ -280,13 +297,14 @@ class LeanDecodeEngine(GenerationEngine):
     `generate`'s `synced_gpus` does.
 
     Options it does not implement (repetition_penalty, min_new_tokens, num_beams, stop_strings, ..., whether passed
-    or set in the model's `generation_config`) are a ValueError naming them. `GenerationOutput.logprobs` is None.
+    or set in the model's `generation_config`) are a ValueError naming them.
     """
 
     name = "lean"
+    supports_capture = True
 
     def check_model(self, model) -> None:
-        base = _base_model(model)
+        base = base_model(model)
         peft_config = getattr(model, "active_peft_config", None)
         if peft_config is not None and peft_config.is_prompt_learning:
             raise ValueError(f"PPOConfig.generation_backend='lean' cannot serve a {peft_config.peft_type} peft model "
@@ -331,7 +349,7 @@ class LeanDecodeEngine(GenerationEngine):
         # the transformers model itself, as peft's generate runs it: LoRA layers sit inside it (and a disabled
         # adapter is off there too), so the peft wrapper's per-call forward hooks are skipped at every step
         self.check_model(model)
-        base = _base_model(model)
+        base = base_model(model)
         config, processors = self._plan(base, query_ids, kwargs)
         eos = config.eos_token_id
         eos = None if eos is None else torch.as_tensor(eos, device=query_ids.device).view(-1)
@@ -340,7 +358,6 @@ class LeanDecodeEngine(GenerationEngine):
         synced = world > 1 and (is_deepspeed_zero3_enabled() or _fsdp_managed(model))
         accepted = _forward_parameters(base)
 
-        batch = query_ids.shape[0]
         mask = query_mask.long()
         inputs = dict(input_ids=query_ids, attention_mask=mask, use_cache=True)
         inputs["cache"] = DynamicCache(config=base.config.get_text_config(decoder=True))
@@ -349,9 +366,13 @@ class LeanDecodeEngine(GenerationEngine):
             inputs["position_ids"] = positions.masked_fill(mask == 0, 0)
         if "logits_to_keep" in accepted:
             inputs["logits_to_keep"] = 1
-        unfinished = torch.ones(batch, dtype=torch.long, device=query_ids.device)
-        tokens = []
-        finished_here = False
+        unfinished = torch.ones(query_ids.shape[0], dtype=torch.long, device=query_ids.device)
+        with self._recording(base):
+            return self._decode(base, inputs, config, processors, query_ids, eos, pad, synced, unfinished)
+
+    @staticmethod
+    def _decode(base, inputs, config, processors, query_ids, eos, pad, synced, unfinished):
+        batch, mask, tokens, finished_here = query_ids.shape[0], inputs["attention_mask"], [], False
         for step in range(config.max_new_tokens):
             out = base(**inputs, return_dict=True)
             if not finished_here:

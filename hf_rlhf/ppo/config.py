@@ -90,6 +90,16 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             takes the 4D mask (sdpa or eager attention; checked on the model before training,
             `hf_rlhf.packing_check`), else off with a log line; True: required (an error where it cannot be);
             False: off.
+        logprobs_from_generation: the rollout's old log-probs, and a value head's values, are read off the decoding
+            forwards (`hf_rlhf.generation.DecodeCapture`: each step's logits at `temperature`, the LM head's input for
+            the value head), so the rollout runs no policy forward (TRL 1.12's PPO reads its old log-probs off
+            `generate`'s logits too). They equal the forward's to float rounding: the first such rollout runs the
+            forward as well and compares (on a larger difference the capture is turned off, with a warning). None
+            (default): on where it applies: the `generate` or `lean` engine, one turn (no tools, no `rollout_func`),
+            no `filter_groups`, no ZeRO-3 (its sharded value head is outside generation), and a value head on the
+            policy or no value function (a separate value model or a value adapter needs its own forward anyway);
+            else off with a log line. True: required (an error where it cannot be); False: off. Nothing to do where
+            the loss gives the old log-probs (`old_logprobs_in_loss`: one optimizer step per rollout, critic-free).
         stop_token: "eos" (default) or None; stop_token_id: an explicit stop token (wins over stop_token). The
             response ends after the first stop token; tokens after it are padding.
         missing_eos_penalty: subtracted from the score of a response that never produced the stop token.
@@ -192,6 +202,10 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     prefix_sharing: bool | None = field(
         default=None, metadata={"help": "Run the completions of one prompt in one row, the prompt computed once. "
                                         "None: on for num_generations > 1 where the model takes a 4D mask."},
+    )
+    logprobs_from_generation: bool | None = field(
+        default=None, metadata={"help": "Read the old log-probs (and a value head's values) off the decoding instead "
+                                        "of a policy forward. None: on where it applies."},
     )
     stop_token: str | None = field(
         default="eos", metadata={"help": "'eos' to end responses at the eos token, or None (run to response_length)."}

@@ -15,7 +15,7 @@ from trl.models.utils import unwrap_model_for_generation
 
 from ..adapters import adapter_scope
 from ..collators import LeftPaddingCollator
-from ..generation import build_engine
+from ..generation import GenerationOutput, build_engine
 from ..reward_models import unwrap_peft
 from ..rewards.base import RewardError, check_scores
 from ..tensors import first_true_indices, logprobs_from_logits
@@ -62,11 +62,13 @@ class RolloutMaker:
         rollout_func: `prompts -> dict`, TRL's `rollout_func` bound to the trainer: replaces steps 1-3 (see
             `hf_rlhf.ppo.multiturn.rollout_func_sample` for what it returns).
         share_prompts: the forwards run the rows of one prompt as one row (`PPOConfig.prefix_sharing`).
+        capture_decoding: the old log-probs (and a value head's values) come off the decoding forwards instead of a
+            policy forward (`PPOConfig.logprobs_from_generation`).
     """
 
     def __init__(self, args, tokenizer, compute_rewards, accelerator, ref_model=None, reward_stats=None,
                  tool_rollout: ToolRollout | None = None, row_tools=None, rollout_func=None,
-                 share_prompts: bool = False):
+                 share_prompts: bool = False, capture_decoding: bool = False):
         self.args, self.tokenizer, self.compute_rewards = args, tokenizer, compute_rewards
         self.accelerator, self.ref_model, self.reward_stats = accelerator, ref_model, reward_stats
         self.collator = LeftPaddingCollator(tokenizer.pad_token_id)
@@ -81,6 +83,9 @@ class RolloutMaker:
         self.tool_rollout, self.row_tools, self.rollout_func = tool_rollout, row_tools, rollout_func
         self._tool_counts = [0, 0, 0]  # calls, failures, completions of this rollout (every generation round)
         self.share_prompts = share_prompts  # `PPOConfig.prefix_sharing` as the trainer resolved it
+        # `PPOConfig.logprobs_from_generation` as the trainer resolved it (turned off by a failed first check)
+        self.capture_decoding = capture_decoding and self.engine.supports_capture
+        self._capture_checked = False
 
     @torch.no_grad()
     def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None, refill=None):
@@ -104,18 +109,28 @@ class RolloutMaker:
                              "without one every response runs to response_length and none would be trained on")
         # steps 1-4. prompts, responses, scores (with `filter_groups`: only groups whose rewards differ, refilled)
         self._tool_counts = [0, 0, 0]
-        sample = self._sample(model, rows, row_indices)
+        sample, captured = self._sample(model, rows, row_indices)
         filter_stats = {}
         if args.filter_groups and refill is not None:
             sample, filter_stats = self._filter_groups(model, sample, refill)
+            captured = None  # rows of several generation rounds: the policy forward scores them
         query_ids, query_mask, response_ids, response_mask, context_mask, stopped, raw_scores = sample
 
         # step 5. old log-probs and values of the policy, log-probs of the reference (eval mode, micro-batches);
         # with one optimizer step per rollout and no KL in the rewards, the loss's own forward gives the old
-        # log-probs (`PPOConfig.old_logprobs_in_loss`) and the policy forward here is skipped
+        # log-probs (`PPOConfig.old_logprobs_in_loss`) and the policy forward here is skipped; with
+        # `logprobs_from_generation` they (and a value head's values) come off the decoding, the forward skipped too
+        # (run once more on the first such rollout, to check that the two agree)
         model.eval()
+        policy_forward = not args.old_logprobs_in_loss and (captured is None or not self._capture_checked)
         old_logprobs, old_values, ref_logprobs = self._forward(model, query_ids, query_mask, response_ids,
-                                                               context_mask, policy=not args.old_logprobs_in_loss)
+                                                               context_mask, policy=policy_forward)
+        if captured is not None:
+            decoded = self._decoded_scores(model, captured, response_mask)
+            if not self._capture_checked:
+                self._check_decoded(decoded, (old_logprobs, old_values), response_mask, model)
+            if self.capture_decoding:
+                old_logprobs, old_values = decoded
         if self.tool_rollout is not None or self.rollout_func is not None:  # environment tokens: never the policy's
             keep = response_mask.bool()
             old_logprobs, old_values, ref_logprobs = (torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
@@ -143,9 +158,10 @@ class RolloutMaker:
         return experience, stats
 
     def _sample(self, model, rows, row_indices):
-        """(query_ids, query_mask, response_ids, response_mask, context_mask, stopped, raw_scores) of one generation
-        round; `context_mask` differs from `response_mask` (the loss mask) only on the environment's tokens of a
-        multi-turn rollout."""
+        """((query_ids, query_mask, response_ids, response_mask, context_mask, stopped, raw_scores), captured) of one
+        generation round; `context_mask` differs from `response_mask` (the loss mask) only on the environment's
+        tokens of a multi-turn rollout; `captured`: (log-probs (B, R), LM head inputs (B, R, H) or None) off the
+        decoding with `capture_decoding` (one turn), else None."""
         device = self.accelerator.device
         if self.tool_rollout is not None:
             rows, tool_sets, extra_fields = self.row_tools(rows)
@@ -155,6 +171,7 @@ class RolloutMaker:
         batch.pop("position_ids")  # every forward below builds its own from the masks (`sequence_inputs`)
         prompts = batch.pop("prompt")
 
+        captured = None
         if self.rollout_func is not None:  # steps 1-3 are the user's (TRL's rollout_func); the ids are trained as given
             conversational = isinstance(prompts[0], list)
             query_ids, query_mask, turns, extra_fields = rollout_func_sample(
@@ -164,7 +181,8 @@ class RolloutMaker:
             batch.update(extra_fields)
         elif self.tool_rollout is not None:  # steps 2-3 over several turns: generate, call tools, append, repeat
             with self._generator(model.policy) as generate:
-                turns = self.tool_rollout.run(generate, query_ids, query_mask, tool_sets)
+                turns = self.tool_rollout.run(lambda *call: generate(*call).response_ids, query_ids, query_mask,
+                                              tool_sets)
             batch.update(extra_fields)
             response_ids, response_mask, stopped = turns.response_ids, turns.loss_mask, turns.stopped
             context_mask, completions = turns.context_mask, turns.completions
@@ -172,17 +190,20 @@ class RolloutMaker:
                                  self._tool_counts[1] + sum(turns.tool_failures), self._tool_counts[2] + len(rows)]
         else:
             # step 2. sample responses with the KV cache, policy in eval mode (dropout off, as for the old log-probs)
+            capture = self.capture_decoding and not self.args.old_logprobs_in_loss
             with self._generator(model.policy) as generate:
-                response_ids = generate(query_ids, query_mask, self.args.response_length)
+                out = generate(query_ids, query_mask, self.args.response_length, capture=capture,
+                               hidden=capture and _reads_policy_hidden(model))
+            captured = None if out.logprobs is None else (out.logprobs, out.hidden)
 
             # step 3. truncate after the first stop token: mask 1 up to and including it, pad after it
-            response_ids, response_mask, stopped = self._truncate(response_ids)
+            response_ids, response_mask, stopped = self._truncate(out.response_ids)
             context_mask = response_mask
             completions = self._decode(response_ids, response_mask, conversational=isinstance(prompts[0], list))
 
         # step 4. score the decoded text (each reward source re-tokenizes it its own way)
         raw_scores = self._score(prompts, completions, batch, row_indices).to(device)
-        return query_ids, query_mask, response_ids, response_mask, context_mask, stopped, raw_scores
+        return (query_ids, query_mask, response_ids, response_mask, context_mask, stopped, raw_scores), captured
 
     def _tool_stats(self) -> dict[str, float]:
         """TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failed / calls), over
@@ -213,7 +234,7 @@ class RolloutMaker:
             any_short = self.accelerator.reduce(torch.tensor(float(short), device=sample[0].device), reduction="sum")
             if any_short.item() == 0 or rounds >= args.max_num_gen_batches:
                 break
-            sample = self._sample(model, *refill(rounds))
+            sample, _ = self._sample(model, *refill(rounds))
         parts = kept + dropped  # dropped groups only complete a rollout still short after the last round
         query_ids = _cat_left_padded([p[0] for p in parts], self.tokenizer.pad_token_id)
         query_mask = _cat_left_padded([p[1] for p in parts], 0)
@@ -240,8 +261,10 @@ class RolloutMaker:
     # -- steps ---------------------------------------------------------------------------------------
     @contextmanager
     def _generator(self, policy):
-        """Yields `generate(ids, mask, max_new_tokens) -> (B, N)` sampled ids, N <= max_new_tokens, padded after early
-        stops (`self.engine`), for as many calls (turns) as needed inside one unwrapped-policy scope."""
+        """Yields `generate(ids, mask, max_new_tokens, capture=False, hidden=False) -> GenerationOutput`: (B, N) sampled
+        ids, N <= max_new_tokens, padded after early stops (`self.engine`), with `capture` their log-probs and with
+        `hidden` the LM head's inputs taken off the decoding (None where the engine cannot), for as many calls (turns)
+        as needed inside one unwrapped-policy scope."""
         args, pad = self.args, self.tokenizer.pad_token_id
         checkpointing = {k: v for k, v in (args.activation_checkpointing_kwargs or {}).items()
                          if k not in ("every_n_layers", "offload")}  # re-enabled after generation with these
@@ -254,18 +277,27 @@ class RolloutMaker:
                 self.engine.check_model(unwrapped)
                 self._engine_checked = True
 
-            def generate(query_ids, query_mask, max_new_tokens: int) -> torch.LongTensor:
+            def generate(query_ids, query_mask, max_new_tokens: int, capture: bool = False,
+                         hidden: bool = False) -> GenerationOutput:
                 # stop token None: no early stop (a kwarg, unlike a config, overrides)
                 kwargs = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, eos_token_id=self.stop_token_id,
-                              generation_kwargs=args.generation_kwargs)
+                              generation_kwargs=args.generation_kwargs, return_logprobs=capture, return_hidden=hidden)
                 chunks = []
                 for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):
                     end = start + args.local_rollout_forward_batch_size
-                    out = self.engine.generate(unwrapped, query_ids[start:end], query_mask[start:end], **kwargs)
-                    chunks.append(out.response_ids)
-                width = max(chunk.shape[1] for chunk in chunks)
-                return torch.cat([F.pad(chunk, (0, width - chunk.shape[1]), value=pad) for chunk in chunks])
+                    chunks.append(self.engine.generate(unwrapped, query_ids[start:end], query_mask[start:end],
+                                                       **kwargs))
+                width = max(chunk.response_ids.shape[1] for chunk in chunks)
+
+                def joined(name, value):  # chunks padded on the right to the widest, then stacked
+                    parts = [getattr(chunk, name) for chunk in chunks]
+                    if any(part is None for part in parts):
+                        return None
+                    tail = (0, 0) * (parts[0].dim() - 2)  # (B, N) or (B, N, H): pad dimension 1
+                    return torch.cat([F.pad(p, tail + (0, width - p.shape[1]), value=value) for p in parts])
+
+                return GenerationOutput(joined("response_ids", pad), joined("logprobs", 0.0), joined("hidden", 0.0))
 
             yield generate
 
@@ -331,6 +363,48 @@ class RolloutMaker:
             return response_logits(policy, *part, temperature=self.args.temperature,
                                    share_prompts=self.share_prompts)[0]
 
+    def _decoded_scores(self, model, captured, response_mask):
+        """(old log-probs, old values), each (B, R), from what the decoding captured; zero after a row's end. The
+        values: the value head on the LM head's inputs (zeros without a value function, as `_forward`)."""
+        logprobs, hidden = captured
+        keep = response_mask.bool()
+        logprobs = torch.where(keep, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
+        if hidden is None:
+            return logprobs, torch.zeros_like(logprobs)
+        head = model.value_head
+        values = head(hidden.to(head.weight.dtype)).squeeze(-1).float()
+        return logprobs, torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+    def _check_decoded(self, decoded, forward, response_mask, model) -> None:
+        """Compare the decoding's log-probs / values with the policy forward's on the first rollout that has both:
+        float rounding apart (|diff| <= tol + tol * max |forward|, tol 1e-3 in float32, 5e-2 in 16-bit), or the
+        capture is turned off from here on (a warning names the differences; an error with
+        `logprobs_from_generation=True`). Every rank decides on the largest difference of all ranks."""
+        self._capture_checked = True
+        keep = response_mask.bool()
+        half = next(model.policy.parameters()).dtype in (torch.float16, torch.bfloat16)
+        tol = 5e-2 if half else 1e-3
+        excess = []
+        for ours, theirs in zip(decoded, forward):
+            diff = torch.where(keep, (ours - theirs).abs(), 0.0).max()
+            scale = torch.where(keep, theirs.abs(), 0.0).max()
+            excess += [diff, diff - tol - tol * scale]
+        excess = self.accelerator.reduce(torch.stack(excess).float(), reduction="max") if (
+            self.accelerator.num_processes > 1) else torch.stack(excess).float()
+        logprob_diff, logprob_excess, value_diff, value_excess = excess.tolist()
+        if logprob_excess <= 0 and value_excess <= 0:
+            logger.info("logprobs_from_generation: the decoding's log-probs / values match the policy forward's "
+                        "(max |diff| %.2e / %.2e); the rollout's policy forward is skipped from here on",
+                        logprob_diff, value_diff)
+            return
+        message = (f"the log-probs / values taken off the decoding differ from the policy forward's by up to "
+                   f"{logprob_diff:.3g} / {value_diff:.3g} (more than float rounding: tolerance {tol:g} + "
+                   f"{tol:g} x the largest value)")
+        if self.args.logprobs_from_generation:
+            raise ValueError(f"PPOConfig.logprobs_from_generation=True cannot be honoured: {message}")
+        logger.warning("logprobs_from_generation off: %s; the rollout runs its policy forward", message)
+        self.capture_decoding = False
+
     def _shape_scores(self, raw_scores, stopped, reward_moments) -> torch.Tensor:
         """Normalise, clip, then subtract the missing-eos penalty (see `PPOConfig`)."""
         args, scores = self.args, raw_scores.float()
@@ -370,6 +444,11 @@ class RolloutMaker:
                 self.args.missing_eos_penalty,
                 "applied" if self.args.missing_eos_penalty is not None else "not set, so nothing was subtracted")
         return stats
+
+
+def _reads_policy_hidden(model) -> bool:
+    """True when the value function is a head on the policy's own last hidden state (what the decoding captures)."""
+    return model.value_head is not None and model.value_adapter is None
 
 
 def _cat_left_padded(parts: list[torch.Tensor], value) -> torch.Tensor:

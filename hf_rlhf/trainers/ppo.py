@@ -29,10 +29,12 @@ import logging
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from ..collators import PaddingCollator
 from ..configs import DataOptions, ModelConfig
 from ..data import as_dataset, prepare_sft_dataset
+from ..generation import build_engine
 from ..models import load_model, resolve_model
 from ..packing_check import PackingCheckError, check_packing_exact
 from ..ppo.callbacks import EpochFromStepCallback, KLControllerCallback, RewardStatsCallback, find_callback
@@ -208,6 +210,8 @@ class PPOTrainer(BaseTrainer):
         policy = self.add_peft(policy, model_config, args, peft_config, prompt_learning=False)
         module, ref_model = self._build_models(policy, value_model, ref_model, args)
         self.share_prompts = self._resolve_prefix_sharing(args, module, ref_model)
+        multi_turn = bool(tools) or environment_factory is not None or rollout_func is not None
+        capture_decoding = self._resolve_logprobs_from_generation(args, module, multi_turn)
 
         reward_source = None if reward_model is None else build_reward_source(
             reward_model, reward_processing_class, device=args.device, batch_size=args.local_rollout_forward_batch_size,
@@ -241,7 +245,7 @@ class PPOTrainer(BaseTrainer):
         self.rollout_maker = RolloutMaker(args, processing_class, self.compute_rewards, self.accelerator, self.ref_model,
                                           reward_stats, tool_rollout, self._row_tools,
                                           None if rollout_func is None else lambda prompts: rollout_func(prompts, self),
-                                          self.share_prompts)
+                                          self.share_prompts, capture_decoding)
         self._loader, self._resume_from = None, None
 
     @staticmethod
@@ -302,6 +306,31 @@ class PPOTrainer(BaseTrainer):
         if wanted:
             raise ValueError(f"PPOConfig.prefix_sharing=True cannot be honoured: {reason}")
         logger.info("prefix_sharing off (rows of a prompt run apart): %s", reason)
+        return False
+
+    @staticmethod
+    def _resolve_logprobs_from_generation(args, module, multi_turn: bool) -> bool:
+        """`PPOConfig.logprobs_from_generation` decided on this setup (the rollout checks the numbers on its first
+        rollout); False where the loss gives the old log-probs anyway."""
+        wanted = args.logprobs_from_generation
+        if wanted is False or args.old_logprobs_in_loss:
+            return False
+        reasons = []
+        if not build_engine(args.generation_backend).supports_capture:
+            reasons.append(f"generation_backend={args.generation_backend!r} returns no log-probs")
+        if multi_turn:
+            reasons.append("a multi-turn rollout (tools, environment_factory or rollout_func) is scored by a forward")
+        if args.filter_groups:
+            reasons.append("filter_groups joins rows of several generation rounds")
+        if is_deepspeed_zero3_enabled():
+            reasons.append("under ZeRO-3 the value head's shards live outside generation")
+        if module.value_model is not None or module.value_adapter is not None:
+            reasons.append("a separate value model / value adapter needs its own forward")
+        if not reasons:
+            return True
+        if wanted:
+            raise ValueError(f"PPOConfig.logprobs_from_generation=True cannot be honoured: {'; '.join(reasons)}")
+        logger.info("logprobs_from_generation off (the rollout runs a policy forward): %s", "; ".join(reasons))
         return False
 
     @staticmethod

@@ -83,7 +83,8 @@ def test_old_logprobs_from_the_loss_equal_the_rollout_forward(tmp_path, model_ty
                          gradient_accumulation_steps=2, rollout_batch_size=8, num_ppo_epochs=1, response_length=4,
                          max_steps=2, logging_steps=1, save_strategy="no", report_to="none", learning_rate=1e-2,
                          seed=0, disable_tqdm=True, advantage_estimator="grpo", num_generations=4, kl_in_loss=True,
-                         kl_estimator="k3", kl_coef=0.1, local_rollout_forward_batch_size=8)
+                         kl_estimator="k3", kl_coef=0.1, local_rollout_forward_batch_size=8,
+                         logprobs_from_generation=False)  # forced back on: the rollout's own forward, every rollout
         assert args.old_logprobs_in_loss is skip
         trainer = PPOTrainer(build(model_type), lambda prompts, completions, **kw: [len(c) % 3 for c in completions],
                              args=args, train_dataset=prompt_dataset(16, seed=0), processing_class=TOKENIZER)
