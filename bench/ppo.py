@@ -25,7 +25,9 @@ model (where there is one) starts from the reward model, as in TRL's examples.
       hf_rlhf_one_base      hf_rlhf's one-base setup: LoRA policy, reference = adapters off, reward = `RewardAdapter`
                             on the same frozen base, value head on the policy's hidden states.
       hf_rlhf_one_base_value_adapter   the same with `value_model="adapter"`: a value LoRA adapter + value head.
-      extras (--configs): hf_rlhf_lora_head (LoRA policy + value head, separate merged reward model),
+      extras (--configs): hf_rlhf_value_head_forward (the default with logprobs_from_generation=False: the rollout's
+                          old log-probs and values from a policy forward, not off the decoding; speed group),
+                          hf_rlhf_lora_head (LoRA policy + value head, separate merged reward model),
                           hf_rlhf_peft (TRL's peft setup in hf_rlhf: separate value and reward models).
 
 episodes/s = prompts rolled out / wall time of `trainer.train()`. Peak RSS = the worker's high-water mark at the end
@@ -52,13 +54,15 @@ from pathlib import Path
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
 TRL_VERSION = "1.12.0"
-GROUPS = {"hf_rlhf": "speed", "hf_rlhf_value_head": "speed", "trl": "speed", "hf_rlhf_one_base": "memory",
+GROUPS = {"hf_rlhf": "speed", "hf_rlhf_value_head": "speed", "hf_rlhf_value_head_forward": "speed", "trl": "speed",
+          "hf_rlhf_one_base": "memory",
           "hf_rlhf_one_base_value_adapter": "memory", "hf_rlhf_lora_head": "memory", "hf_rlhf_peft": "memory",
           "trl_peft": "memory"}
 REFERENCE = {"speed": "trl", "memory": "trl_peft"}  # the ratio column of each group
 DEFAULT_CONFIGS = ("hf_rlhf", "hf_rlhf_value_head", "trl", "hf_rlhf_one_base", "hf_rlhf_one_base_value_adapter",
                    "trl_peft")
-EXTRA_CONFIGS = ("hf_rlhf_lora_head", "hf_rlhf_peft")
+EXTRA_CONFIGS = ("hf_rlhf_value_head_forward", "hf_rlhf_lora_head", "hf_rlhf_peft")
+OPTIONS = {"hf_rlhf_value_head_forward": {"logprobs_from_generation": False}}  # PPOConfig options of a config
 QUICK_CONFIGS = ("hf_rlhf", "trl", "hf_rlhf_one_base", "trl_peft")  # --quick's default: one worker costs ~10 s
 MB = 2**20
 SMALL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=384)  # toy "small"
@@ -288,7 +292,7 @@ def build_hf_rlhf(name: str, model_dir: str, prompts: list[dict], group: dict, o
     else:
         policy, reward, value = load_models(model_dir)
         value = value if name in ("hf_rlhf", "hf_rlhf_peft") else None  # None: a value head on the policy
-    args = PPOConfig(**ppo_options(group, output_dir), activation_checkpointing=False,
+    args = PPOConfig(**ppo_options(group, output_dir), activation_checkpointing=False, **OPTIONS.get(name, {}),
                      max_steps=group["rollouts"] * group["ppo_epochs"],  # num_mini_batches = 1
                      logging_steps=group["ppo_epochs"])  # once per rollout, as TRL
     dataset = Dataset.from_dict({key: [row[key] for row in prompts] for key in ("prompt", "input_ids")})

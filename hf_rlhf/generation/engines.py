@@ -13,7 +13,11 @@ two in-process implementations on transformers' own `generate`:
   length reuses the compiled graph of its bucket instead of recompiling (the cache length is bucket + new
   tokens). The compile is paid on the first call of each (batch, bucket) shape and counted in `stats`.
 
-Both read the live module they are given (no weight copy): after an optimizer step the next call samples from
+`generate` and `lean` also return, when asked (`return_logprobs`, `return_hidden`), the sampled tokens' log-probs
+and the LM head's inputs taken off their decoding forwards (`DecodeCapture`), which spares the rollout its policy
+forward (`PPOConfig.logprobs_from_generation`); `static` does not (not implemented for its compiled decoding).
+
+All read the live module they are given (no weight copy): after an optimizer step the next call samples from
 the new weights. An engine that keeps its own copy of the weights (a vLLM-like server) implements
 `sync_weights(model)`, which the trainer's side calls after each optimizer step; in-process engines make it a
 no-op.

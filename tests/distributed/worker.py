@@ -32,7 +32,12 @@ TASKS = ("sft", "sft_lora", "reward", "dpo", "dpo_lora", "ppo", "grpo", "rloo", 
 # the per-sequence loss_type, RLOO's batch-whitened advantages, REINFORCE++'s globally whitened returns
 ESTIMATORS = {
     "grpo": dict(advantage_estimator="grpo", num_generations=2, kl_in_loss=True, kl_estimator="k3", loss_type="grpo"),
-    "rloo": dict(advantage_estimator="rloo", num_generations=2, normalize_advantages=True, loss_type="dr_grpo"),
+    # the rollout's own policy forward: greedy groups whose completions agree have advantages that cancel a gradient
+    # exactly, and old log-probs read off each rank's decoding of its B/2 rows (not the single process's B) round
+    # apart, which Adam turns into a step (1e-3 on a reloaded logit); the ppo and reinforce_pp tasks compare the
+    # decoding's log-probs (logprobs_from_generation) across processes
+    "rloo": dict(advantage_estimator="rloo", num_generations=2, normalize_advantages=True, loss_type="dr_grpo",
+                 logprobs_from_generation=False),
     "reinforce_pp": dict(advantage_estimator="reinforce_pp"),
     # DAPO's dynamic sampling: sampled rollouts, a binary reward, so ranks drop different numbers of groups
     "grpo_dynamic": dict(advantage_estimator="grpo", num_generations=4, filter_groups=True, max_num_gen_batches=3,
