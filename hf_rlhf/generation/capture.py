@@ -19,7 +19,6 @@ from contextlib import contextmanager
 
 import torch
 
-from ..tensors import logprobs_from_logits
 
 
 def base_model(model):
@@ -68,8 +67,10 @@ class DecodeCapture:
         self._hidden.append(args[0][:, -1].detach())
 
     def _take(self, tokens: torch.LongTensor) -> None:
-        scaled = self._pending.unsqueeze(1) / self.temperature
-        self._logprobs.append(logprobs_from_logits(scaled, tokens.unsqueeze(1))[:, 0])
+        # one (B, V) step at once: logit[token] - logsumexp(logits), as `logprobs_from_logits` computes each row
+        scaled = self._pending / self.temperature
+        picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        self._logprobs.append(picked - torch.logsumexp(scaled, dim=-1))
         self._pending = None
 
     def result(self, response_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
