@@ -13,7 +13,8 @@ import pytest
 pytestmark = pytest.mark.integration
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "ppo.py"
-CONFIGS = ["hf_rlhf_one_base"]  # one worker (each imports torch/transformers/peft: ~20 s on a busy 2-core box)
+# two workers (each imports torch/transformers/peft: ~20 s on a busy 2-core box)
+CONFIGS = ["hf_rlhf_one_base", "hf_rlhf_value_head_forward"]
 
 
 def test_ppo_bench_quick(tmp_path):
@@ -41,5 +42,8 @@ def test_ppo_bench_quick(tmp_path):
     memory = runs["hf_rlhf_one_base"]["memory"]
     assert {"weights/policy", "weights/reward_head", "weights/value_head"} <= set(memory)
     assert not {"weights/reference", "weights/reward", "weights/value"} & set(memory)
+    # logprobs_from_generation=False: the rollout's own policy forward, once per rollout
+    forward = runs["hf_rlhf_value_head_forward"]
+    assert forward["phases"]["calls"]["forward/policy/no_grad"] == results["settings"]["speed"]["rollouts"]
     assert "| config | group | median episodes/s | median peak RSS MB |" in done.stdout
     assert "Reproduce: `python bench/ppo.py" in done.stdout
