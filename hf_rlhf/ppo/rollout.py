@@ -376,30 +376,38 @@ class RolloutMaker:
         return logprobs, torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
     def _check_decoded(self, decoded, forward, response_mask, model) -> None:
-        """Compare the decoding's log-probs / values with the policy forward's on the first rollout that has both:
-        float rounding apart (|diff| <= tol + tol * max |forward|, tol 1e-3 in float32, 5e-2 in 16-bit), or the
-        capture is turned off from here on (a warning names the differences; an error with
-        `logprobs_from_generation=True`). Every rank decides on the largest difference of all ranks."""
+        """Compare the decoding's log-probs / values with the policy forward's on the first rollout that has both.
+
+        They agree to float rounding when the capture reads the right positions and states; a structural mismatch
+        (a position off, another hidden state) is off by the size of the values themselves. The test is on the mean
+        absolute difference over the response tokens: <= tol + tol x the mean |forward value|, tol 1e-3, or 5e-2
+        where the weights are 16-bit or the forward runs under mixed precision (its rounding is the bf16 / fp16
+        one, the decoding's may be float32). Beyond it the capture is turned off from here on (a warning names the
+        differences; an error with `logprobs_from_generation=True`). Every rank decides on the worst rank's numbers.
+        """
         self._capture_checked = True
         keep = response_mask.bool()
-        half = next(model.policy.parameters()).dtype in (torch.float16, torch.bfloat16)
+        count = keep.sum().clamp(min=1)
+        half = (next(model.policy.parameters()).dtype in (torch.float16, torch.bfloat16)
+                or str(getattr(self.accelerator, "mixed_precision", "no")) in ("fp16", "bf16"))
         tol = 5e-2 if half else 1e-3
-        excess = []
+        numbers = []
         for ours, theirs in zip(decoded, forward):
-            diff = torch.where(keep, (ours - theirs).abs(), 0.0).max()
-            scale = torch.where(keep, theirs.abs(), 0.0).max()
-            excess += [diff, diff - tol - tol * scale]
-        excess = self.accelerator.reduce(torch.stack(excess).float(), reduction="max") if (
-            self.accelerator.num_processes > 1) else torch.stack(excess).float()
-        logprob_diff, logprob_excess, value_diff, value_excess = excess.tolist()
+            diff = torch.where(keep, (ours - theirs).abs(), 0.0)
+            mean_diff, mean_size = diff.sum() / count, torch.where(keep, theirs.abs(), 0.0).sum() / count
+            numbers += [mean_diff, diff.max(), mean_diff - tol - tol * mean_size]
+        numbers = torch.stack(numbers).float()
+        if self.accelerator.num_processes > 1:
+            numbers = self.accelerator.reduce(numbers, reduction="max")
+        logprob_mean, logprob_max, logprob_excess, value_mean, value_max, value_excess = numbers.tolist()
         if logprob_excess <= 0 and value_excess <= 0:
             logger.info("logprobs_from_generation: the decoding's log-probs / values match the policy forward's "
-                        "(max |diff| %.2e / %.2e); the rollout's policy forward is skipped from here on",
-                        logprob_diff, value_diff)
+                        "(mean |diff| %.2e / %.2e, max %.2e / %.2e); the rollout's policy forward is skipped from "
+                        "here on", logprob_mean, value_mean, logprob_max, value_max)
             return
-        message = (f"the log-probs / values taken off the decoding differ from the policy forward's by up to "
-                   f"{logprob_diff:.3g} / {value_diff:.3g} (more than float rounding: tolerance {tol:g} + "
-                   f"{tol:g} x the largest value)")
+        message = (f"the log-probs / values taken off the decoding differ from the policy forward's by "
+                   f"{logprob_mean:.3g} / {value_mean:.3g} on average (max {logprob_max:.3g} / {value_max:.3g}): more "
+                   f"than float rounding (tolerance {tol:g} + {tol:g} x the mean value)")
         if self.args.logprobs_from_generation:
             raise ValueError(f"PPOConfig.logprobs_from_generation=True cannot be honoured: {message}")
         logger.warning("logprobs_from_generation off: %s; the rollout runs its policy forward", message)

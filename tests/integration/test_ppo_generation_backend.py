@@ -130,21 +130,31 @@ def test_logprobs_from_generation_where_it_cannot_apply(tmp_path, tokenizer, pro
     assert not grpo.rollout_maker.capture_decoding  # the loss gives the old log-probs: nothing to capture
 
 
-def test_logprobs_from_generation_that_disagree_are_turned_off(tmp_path, tokenizer, prompts, monkeypatch, caplog):
-    """A decoding whose log-probs differ from the forward's by more than rounding (here: shifted by 0.5) is caught on
-    the first rollout: off from there (the run is then the forward-scored one, exactly), or an error when required."""
+@pytest.mark.parametrize("fault", ["shifted", "one_position_late"])
+def test_logprobs_from_generation_that_disagree_are_turned_off(tmp_path, tokenizer, prompts, monkeypatch, caplog,
+                                                               fault):
+    """A decoding whose log-probs differ from the forward's by more than rounding (shifted by 0.5; or every step's
+    log-prob and hidden state read one position late, as a wrong hook would) is caught on the first rollout: off from
+    there (the run is then the forward-scored one, exactly), or an error when required."""
     from hf_rlhf.generation.capture import DecodeCapture
 
-    original = DecodeCapture._take
+    take, result = DecodeCapture._take, DecodeCapture.result
 
     def shifted(self, tokens):
-        original(self, tokens)
+        take(self, tokens)
         self._logprobs[-1] = self._logprobs[-1] + 0.5
+
+    def late(self, response_ids):
+        logprobs, hidden = result(self, response_ids)
+        return logprobs.roll(1, dims=1), hidden.roll(1, dims=1)
 
     reference = _ppo_trainer(tmp_path, tokenizer, prompts, "forward", logprobs_from_generation=False)
     reference.train()
-    monkeypatch.setattr(DecodeCapture, "_take", shifted)
-    trainer = _ppo_trainer(tmp_path, tokenizer, prompts, "shifted")
+    if fault == "shifted":
+        monkeypatch.setattr(DecodeCapture, "_take", shifted)
+    else:
+        monkeypatch.setattr(DecodeCapture, "result", late)
+    trainer = _ppo_trainer(tmp_path, tokenizer, prompts, "faulty")
     with caplog.at_level(logging.WARNING, logger="hf_rlhf"):
         trainer.train()
     assert not trainer.rollout_maker.capture_decoding
