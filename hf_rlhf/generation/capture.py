@@ -19,12 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-
-
-def base_model(model):
-    """The transformers model under a peft wrapper (the module whose forward `generate` calls)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
+from ..reward_models import unwrap_peft
 
 
 class DecodeCapture:
@@ -47,7 +42,7 @@ class DecodeCapture:
 
     @contextmanager
     def recording(self, model):
-        base = base_model(model)
+        base = unwrap_peft(model)  # the transformers model: the module whose forward `generate` calls
         handles = [base.register_forward_hook(self._on_forward, with_kwargs=True)]
         if self.hidden:
             handles.append(base.get_output_embeddings().register_forward_pre_hook(self._on_head))

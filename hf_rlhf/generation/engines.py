@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from ..tensors import prompt_groups
-from .capture import DecodeCapture, base_model
+from ..reward_models import unwrap_peft
+from .capture import DecodeCapture
 
 logger = logging.getLogger("hf_rlhf")
 
@@ -231,7 +232,7 @@ class StaticCacheEngine(GenerationEngine):
         self.compile, self.bucket, self.compile_mode = compile, bucket, compile_mode
 
     def check_model(self, model) -> None:
-        base = base_model(model)
+        base = unwrap_peft(model)
         if not getattr(base, "_can_compile_fullgraph", False):
             raise ValueError(
                 f"PPOConfig.generation_backend='static' cannot serve {type(base).__name__} "
@@ -308,7 +309,7 @@ class LeanDecodeEngine(GenerationEngine):
     supports_capture = True
 
     def check_model(self, model) -> None:
-        base = base_model(model)
+        base = unwrap_peft(model)
         peft_config = getattr(model, "active_peft_config", None)
         if peft_config is not None and peft_config.is_prompt_learning:
             raise ValueError(f"PPOConfig.generation_backend='lean' cannot serve a {peft_config.peft_type} peft model "
@@ -353,7 +354,7 @@ class LeanDecodeEngine(GenerationEngine):
         # the transformers model itself, as peft's generate runs it: LoRA layers sit inside it (and a disabled
         # adapter is off there too), so the peft wrapper's per-call forward hooks are skipped at every step
         self.check_model(model)
-        base = base_model(model)
+        base = unwrap_peft(model)
         config, processors = self._plan(base, query_ids, kwargs)
         eos = config.eos_token_id
         eos = None if eos is None else torch.as_tensor(eos, device=query_ids.device).view(-1)

@@ -96,7 +96,7 @@ class PolicyAndValue(nn.Module):
     def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep: int = 0) -> PolicyValueOutput:
         """Per-token logits (the last `logits_to_keep` positions; 0: all) and values (all positions), float32."""
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        shared = self.value_head is not None and self.value_adapter is None
+        shared = self.reads_policy_hidden
         out = self.policy(**inputs, logits_to_keep=logits_to_keep, output_hidden_states=shared)
         if self.value_head is not None:
             if shared:
@@ -106,12 +106,21 @@ class PolicyAndValue(nn.Module):
                     self.require_value_grads()  # before the scope, which restores the flags it finds on entry
                 with adapter_scope(self.policy, self.value_adapter):
                     hidden = backbone_of(self.policy)(**inputs).last_hidden_state
-            values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+            values = self.head_values(hidden)
         elif self.value_model is not None:
             values = token_scores(self.value_model, self._value_score_head, inputs)
         else:
             values = None
         return PolicyValueOutput(logits=out.logits, token_values=values)
+
+    @property
+    def reads_policy_hidden(self) -> bool:
+        """True for (a): the value head reads the policy's own last hidden state (the one the LM head reads)."""
+        return self.value_head is not None and self.value_adapter is None
+
+    def head_values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The value head on hidden states (..., H): values (...) in float32."""
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
     def require_value_grads(self) -> None:
         """Make the value adapter's parameters require grad again (nothing to do without a value adapter).

@@ -63,7 +63,8 @@ class RolloutMaker:
             `hf_rlhf.ppo.multiturn.rollout_func_sample` for what it returns).
         share_prompts: the forwards run the rows of one prompt as one row (`PPOConfig.prefix_sharing`).
         capture_decoding: the old log-probs (and a value head's values) come off the decoding forwards instead of a
-            policy forward (`PPOConfig.logprobs_from_generation`).
+            policy forward (`PPOConfig.logprobs_from_generation` as `PPOTrainer` resolved it: an engine that returns
+            them, one turn, old log-probs needed at all).
     """
 
     def __init__(self, args, tokenizer, compute_rewards, accelerator, ref_model=None, reward_stats=None,
@@ -84,7 +85,7 @@ class RolloutMaker:
         self._tool_counts = [0, 0, 0]  # calls, failures, completions of this rollout (every generation round)
         self.share_prompts = share_prompts  # `PPOConfig.prefix_sharing` as the trainer resolved it
         # `PPOConfig.logprobs_from_generation` as the trainer resolved it (turned off by a failed first check)
-        self.capture_decoding = capture_decoding and self.engine.supports_capture
+        self.capture_decoding = capture_decoding
         self._capture_checked = False
 
     @torch.no_grad()
@@ -113,7 +114,6 @@ class RolloutMaker:
         filter_stats = {}
         if args.filter_groups and refill is not None:
             sample, filter_stats = self._filter_groups(model, sample, refill)
-            captured = None  # rows of several generation rounds: the policy forward scores them
         query_ids, query_mask, response_ids, response_mask, context_mask, stopped, raw_scores = sample
 
         # step 5. old log-probs and values of the policy, log-probs of the reference (eval mode, micro-batches);
@@ -190,10 +190,9 @@ class RolloutMaker:
                                  self._tool_counts[1] + sum(turns.tool_failures), self._tool_counts[2] + len(rows)]
         else:
             # step 2. sample responses with the KV cache, policy in eval mode (dropout off, as for the old log-probs)
-            capture = self.capture_decoding and not self.args.old_logprobs_in_loss
             with self._generator(model.policy) as generate:
-                out = generate(query_ids, query_mask, self.args.response_length, capture=capture,
-                               hidden=capture and _reads_policy_hidden(model))
+                out = generate(query_ids, query_mask, self.args.response_length, capture=self.capture_decoding,
+                               hidden=self.capture_decoding and model.reads_policy_hidden)
             captured = None if out.logprobs is None else (out.logprobs, out.hidden)
 
             # step 3. truncate after the first stop token: mask 1 up to and including it, pad after it
@@ -371,8 +370,7 @@ class RolloutMaker:
         logprobs = torch.where(keep, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
         if hidden is None:
             return logprobs, torch.zeros_like(logprobs)
-        head = model.value_head
-        values = head(hidden.to(head.weight.dtype)).squeeze(-1).float()
+        values = model.head_values(hidden)
         return logprobs, torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
     def _check_decoded(self, decoded, forward, response_mask, model) -> None:
@@ -389,16 +387,14 @@ class RolloutMaker:
         keep = response_mask.bool()
         count = keep.sum().clamp(min=1)
         half = (next(model.policy.parameters()).dtype in (torch.float16, torch.bfloat16)
-                or str(getattr(self.accelerator, "mixed_precision", "no")) in ("fp16", "bf16"))
+                or self.accelerator.mixed_precision in ("fp16", "bf16"))
         tol = 5e-2 if half else 1e-3
         numbers = []
         for ours, theirs in zip(decoded, forward):
             diff = torch.where(keep, (ours - theirs).abs(), 0.0)
             mean_diff, mean_size = diff.sum() / count, torch.where(keep, theirs.abs(), 0.0).sum() / count
             numbers += [mean_diff, diff.max(), mean_diff - tol - tol * mean_size]
-        numbers = torch.stack(numbers).float()
-        if self.accelerator.num_processes > 1:
-            numbers = self.accelerator.reduce(numbers, reduction="max")
+        numbers = self.accelerator.reduce(torch.stack(numbers).float(), reduction="max")
         logprob_mean, logprob_max, logprob_excess, value_mean, value_max, value_excess = numbers.tolist()
         if logprob_excess <= 0 and value_excess <= 0:
             logger.info("logprobs_from_generation: the decoding's log-probs / values match the policy forward's "
@@ -452,11 +448,6 @@ class RolloutMaker:
                 self.args.missing_eos_penalty,
                 "applied" if self.args.missing_eos_penalty is not None else "not set, so nothing was subtracted")
         return stats
-
-
-def _reads_policy_hidden(model) -> bool:
-    """True when the value function is a head on the policy's own last hidden state (what the decoding captures)."""
-    return model.value_head is not None and model.value_adapter is None
 
 
 def _cat_left_padded(parts: list[torch.Tensor], value) -> torch.Tensor:
