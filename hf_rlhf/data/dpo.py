@@ -44,7 +44,7 @@ from .tokenization import (
     log_boundary_rows,
     resolve_chat_template,
 )
-from .validation import ABSENT, DataValidationError, Verbatim, as_dataset, column_names
+from .validation import ABSENT, DataValidationError, Verbatim, as_dataset, column_names, column_values
 
 DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
@@ -148,7 +148,7 @@ def prepare_dpo_dataset(dataset, tokenizer, options, rows_checked: bool = False)
     dataset = dataset.map(tokenize_dpo_row, fn_kwargs={"tokenizer": tokenizer, "prompt_tokenization": mode},
                           num_proc=options.dataset_num_proc, desc="Tokenizing DPO pairs")
     if not implicit:
-        log_boundary_rows(sum(dataset[BOUNDARY_COLUMN]), len(dataset), mode,
+        log_boundary_rows(sum(column_values(dataset, BOUNDARY_COLUMN)), len(dataset), mode,
                           f"{type(options).__name__}.prompt_tokenization")
     dataset = dataset.remove_columns([BOUNDARY_COLUMN])
     max_length, policy = options.max_length, getattr(options, "overlong_policy", "truncate")
@@ -159,7 +159,7 @@ def prepare_dpo_dataset(dataset, tokenizer, options, rows_checked: bool = False)
             dataset = dataset.filter(lambda row: len(row["prompt_ids"]) < max_length, desc="Dropping full prompts")
         return dataset
     lengths = [len(p) + max(len(c), len(r)) for p, c, r in
-               zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])]
+               zip(*(column_values(dataset, c) for c in ("prompt_ids", "chosen_ids", "rejected_ids")))]
     over = [i for i, n in enumerate(lengths) if n > max_length]
     if policy == "error" and over:
         raise DataValidationError(over[0], "chosen/rejected", f"prompt + completion of at most max_length="

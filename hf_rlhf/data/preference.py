@@ -33,6 +33,7 @@ from .tokenization import (
     check_chat_template,
     check_overlong_policy,
     eos_token_id,
+    prompt_completion_texts,
     resolve_chat_template,
     special_prefix,
     tokenize_prompt_completion,
@@ -251,6 +252,14 @@ def _tokenize_side(spec: _PairTokenizeSpec, prompt, response, template_kwargs: d
     return out["input_ids"], out[BOUNDARY_COLUMN]
 
 
+def _pair_texts(row: dict, spec: _PairTokenizeSpec) -> list[str]:
+    """The plain texts `_tokenize_pair` encodes (encoded ahead, a batch at a time, by `tokenize_rows`)."""
+    if spec.fmt == "tokenized" or spec.fmt.startswith("conversational"):
+        return []
+    prompt = row.get("prompt") or ""
+    return prompt_completion_texts(prompt, row.get("chosen")) + prompt_completion_texts(prompt, row.get("rejected"))
+
+
 def _tokenize_pair(row: dict, index: int, spec: _PairTokenizeSpec) -> dict:
     if spec.checks is not None:
         check_preference_row(index, row, spec.fmt, spec.checks)
@@ -346,5 +355,6 @@ def prepare_preference_dataset(dataset, tokenizer, options: DataOptions, return_
                              use_margin, field_checks(fmt, use_margin) if streamed else None, opts.prompt_tokenization)
     tokenized, stats = tokenize_rows(dataset, _tokenize_pair, spec, opts, LENGTH_FIELD,
                                      "Tokenizing preference pairs", head[0] if streamed else None,
-                                     tokenizer if fmt != "tokenized" else None, ("chosen_ids", "rejected_ids"), owner)
+                                     tokenizer if fmt != "tokenized" else None, ("chosen_ids", "rejected_ids"), owner,
+                                     _pair_texts)
     return (tokenized, stats) if return_stats else tokenized

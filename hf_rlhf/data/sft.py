@@ -28,12 +28,13 @@ from .tokenization import (
     common_prefix_length,
     check_overlong_policy,
     eos_token_id,
+    prompt_completion_texts,
     resolve_chat_template,
     special_prefix,
     tokenize_prompt_completion,
     with_eos,
 )
-from .streaming import first_rows, is_streamed, stream_length_policy, tokenize_rows
+from .streaming import first_rows, is_streamed, map_rows, stream_length_policy, tokenize_rows
 from .validation import (
     ABSENT,
     DataValidationError,
@@ -240,6 +241,16 @@ def _tokenize_sft_row(row: dict, index: int, spec: _SFTTokenizeSpec) -> dict:
     return out
 
 
+def _sft_texts(row: dict, spec: _SFTTokenizeSpec) -> list[str]:
+    """The plain texts `_tokenize_sft_row` encodes (encoded ahead, a batch at a time, by `tokenize_rows`)."""
+    if spec.fmt == "text":
+        text = row.get(spec.text_field)
+        return [text] if isinstance(text, str) else []
+    if spec.fmt == "prompt_completion":
+        return prompt_completion_texts(row.get("prompt"), row.get("completion"))
+    return []  # chat templates render and encode in one call
+
+
 def check_sft_rows(dataset, options: DataOptions) -> str:
     """Detect the format of an in-memory SFT dataset and check every row (no tokenizer needed); its format.
 
@@ -310,7 +321,7 @@ def prepare_sft_dataset(dataset, tokenizer, options: DataOptions, return_stats: 
     field = {"text": opts.dataset_text_field, "prompt_completion": "prompt+completion",
              "conversational": "messages", "conversational_prompt_completion": "prompt+completion"}[fmt]
     tokenized, stats = tokenize_rows(dataset, _tokenize_sft_row, spec, opts, field, "Tokenizing SFT dataset",
-                                     head[0] if streamed else None, tokenizer, ("input_ids",), owner)
+                                     head[0] if streamed else None, tokenizer, ("input_ids",), owner, _sft_texts)
     return (tokenized, stats) if return_stats else tokenized
 
 
@@ -371,7 +382,8 @@ def build_labels(dataset, completion_only_loss: bool | None = None, max_length: 
         labeled = dataset.map(_labels_row, fn_kwargs=fn_kwargs, remove_columns=list(mask_columns))
         return labeled if max_length is None else stream_length_policy(labeled, max_length, overlong_policy,
                                                                        "input_ids")
-    labeled = dataset.map(_labels_row, fn_kwargs=fn_kwargs, remove_columns=list(mask_columns), num_proc=num_proc,
+    labeled = dataset.map(map_rows, batched=True, with_indices=True, remove_columns=list(mask_columns),
+                          fn_kwargs={"row_fn": _labels_row, "fn_kwargs": fn_kwargs}, num_proc=num_proc,
                           desc="Building labels")
     return labeled if max_length is None else apply_length_policy(labeled, max_length, overlong_policy,
                                                                   "input_ids")[0]

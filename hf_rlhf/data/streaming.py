@@ -9,6 +9,7 @@ A stream has no length and cannot be read twice cheaply, so preparation is lazy,
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from datasets import IterableDataset
@@ -16,11 +17,12 @@ from datasets import IterableDataset
 from .tokenization import (
     BOUNDARY_COLUMN,
     LENGTH_COLUMNS,
+    PreEncodedTokenizer,
     apply_length_policy,
     check_unknown_tokens,
     log_boundary_rows,
 )
-from .validation import as_dataset
+from .validation import as_dataset, column_values
 from .validation import DataValidationError, Verbatim
 
 
@@ -86,8 +88,35 @@ def check_streamed_training(args, train_dataset) -> None:
     args.accelerator_config.dispatch_batches = False
 
 
+def map_rows(batch: dict, indices: list[int], row_fn, fn_kwargs: dict | None = None, spec=None, texts_fn=None) -> dict:
+    """A batched `Dataset.map` function that applies the per-row `row_fn` to each row of `batch`: the rows and
+    their errors are the per-row map's, without its per-row overhead in `datasets` (tens of microseconds a row).
+
+    Args:
+        batch: {column: [value per row]}; indices: the rows' indices in the dataset.
+        row_fn: `row_fn(row, index, spec)` with `spec`, else `row_fn(row, **fn_kwargs)`; returns a dict (the same
+            keys for every row).
+        spec: a tokenization spec (a dataclass with a `tokenizer` field).
+        texts_fn: `texts_fn(row, spec)`, the texts the row will encode with `add_special_tokens=False`: encoded
+            ahead for the whole batch (`PreEncodedTokenizer`).
+
+    Returns:
+        {column: [value per row]}.
+    """
+    columns = list(batch)
+    rows = [dict(zip(columns, values)) for values in zip(*(batch[c] for c in columns))]
+    if spec is None:
+        outs = [row_fn(row, **(fn_kwargs or {})) for row in rows]
+    else:
+        if texts_fn is not None:
+            texts = [text for row in rows for text in texts_fn(row, spec)]
+            spec = dataclasses.replace(spec, tokenizer=PreEncodedTokenizer(spec.tokenizer, texts))
+        outs = [row_fn(row, index, spec) for row, index in zip(rows, indices)]
+    return {key: [out[key] for out in outs] for key in (outs[0] if outs else {})}
+
+
 def tokenize_rows(dataset, row_fn, spec, options, field: str, desc: str, first_row: dict | None = None,
-                  tokenizer=None, id_columns: tuple[str, ...] = (), owner: str = "DataOptions"):
+                  tokenizer=None, id_columns: tuple[str, ...] = (), owner: str = "DataOptions", texts_fn=None):
     """Map `row_fn(row, index, spec)` over `dataset` (it writes `_length`, `_trainable` and `_boundary`), then count
     unknown tokens and the rows whose tokens merged across the prompt / completion boundary (logged once:
     `log_boundary_rows`), and apply the over-long policy.
@@ -102,6 +131,8 @@ def tokenize_rows(dataset, row_fn, spec, options, field: str, desc: str, first_r
         desc: the progress bar's text (in memory).
         tokenizer, id_columns: where to count unknown tokens (in memory; none without a tokenizer).
         owner: the config class named in the boundary log (e.g. "SFTConfig").
+        texts_fn: `texts_fn(row, spec)`, the plain texts a row encodes (in memory: each batch's are encoded in
+            one call, `map_rows`).
 
     Returns:
         (tokenized, stats): stats is None for a stream.
@@ -112,9 +143,10 @@ def tokenize_rows(dataset, row_fn, spec, options, field: str, desc: str, first_r
         tokenized = tokenized.remove_columns([BOUNDARY_COLUMN])  # a stream is not counted ahead
         return stream_length_policy(tokenized, options.max_length, options.overlong_policy, field), None
     data = as_dataset(dataset)
-    tokenized = data.map(row_fn, with_indices=True, fn_kwargs={"spec": spec}, remove_columns=data.column_names,
+    tokenized = data.map(map_rows, batched=True, with_indices=True, remove_columns=data.column_names,
+                         fn_kwargs={"row_fn": row_fn, "spec": spec, "texts_fn": texts_fn},
                          num_proc=options.dataset_num_proc, desc=desc)
-    log_boundary_rows(sum(tokenized[BOUNDARY_COLUMN]), len(tokenized), options.prompt_tokenization,
+    log_boundary_rows(sum(column_values(tokenized, BOUNDARY_COLUMN)), len(tokenized), options.prompt_tokenization,
                       f"{owner}.prompt_tokenization")
     tokenized = tokenized.remove_columns([BOUNDARY_COLUMN])
     if tokenizer is not None:

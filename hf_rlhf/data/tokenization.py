@@ -16,7 +16,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from .validation import DataValidationError, Verbatim
+from .validation import DataValidationError, Verbatim, column_values
 
 logger = logging.getLogger("hf_rlhf")
 
@@ -266,6 +266,45 @@ def check_prompt_tokenization(mode: str, option: str = "prompt_tokenization") ->
         raise ValueError(f"{option}={mode!r}; expected one of {PROMPT_TOKENIZATIONS}")
 
 
+def prompt_completion_texts(prompt, completion) -> list[str]:
+    """The texts `tokenize_prompt_completion` may encode: the prompt, prompt + completion, and the completion (alone
+    where tokens merge across the boundary); none for values that are not strings."""
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        return []
+    return [prompt, prompt + completion, completion]
+
+
+class PreEncodedTokenizer:
+    """`tokenizer`, with the ids of `texts` encoded ahead in one batched call: `tok(text, add_special_tokens=False)`
+    of one of them reads the table (a fast tokenizer gives a text the same ids alone or in a batch); every other call
+    and attribute goes to `tokenizer`.
+
+    What a batched `Dataset.map` hands a per-row tokenization function: one call into the tokenizer's Rust batch
+    encoder per batch instead of one Python-wrapped call per text (~0.1 ms each; 60,000 prompt / completion rows
+    took 15 s one at a time).
+
+    Args:
+        tokenizer: the tokenizer (a `PreTrainedTokenizerBase`).
+        texts: strings to encode without special tokens (repeats are encoded once).
+    """
+
+    def __init__(self, tokenizer, texts: list[str]):
+        unique = list(dict.fromkeys(texts))
+        encoded = tokenizer(unique, add_special_tokens=False)["input_ids"] if unique else []
+        self.tokenizer = tokenizer
+        self.ids = dict(zip(unique, encoded))
+
+    def __call__(self, text=None, *args, add_special_tokens: bool = True, **kwargs):
+        if not args and not kwargs and add_special_tokens is False and isinstance(text, str) and text in self.ids:
+            return {"input_ids": list(self.ids[text])}
+        return self.tokenizer(text, *args, add_special_tokens=add_special_tokens, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name in ("tokenizer", "ids"):  # not set yet (copy / unpickling): no recursion into __getattr__
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+
+
 def tokenize_prompt_completion(tokenizer, prompt: str, completion: str, prefix: list[int], eos_id: int,
                                prompt_tokenization: str = "apart") -> dict:
     """Tokenize `prefix + prompt + completion + eos`, marking the completion's tokens.
@@ -357,7 +396,7 @@ def apply_length_policy(dataset: Dataset, max_length: int | None, policy: str, f
     """
     n_rows = len(dataset)
     stats = {"n_rows": n_rows, "n_truncated": 0, "n_dropped": 0}
-    overlong = [] if max_length is None else [i for i, n in enumerate(dataset["_length"]) if n > max_length]
+    overlong = [] if max_length is None else [i for i, n in enumerate(column_values(dataset, "_length")) if n > max_length]
     if overlong and policy == "error":
         i = overlong[0]
         raise DataValidationError(
@@ -365,7 +404,7 @@ def apply_length_policy(dataset: Dataset, max_length: int | None, policy: str, f
             f"to keep going; {len(overlong)} of {n_rows} rows are longer)", Verbatim(f"{dataset[i]['_length']} tokens"))
     drop = set(overlong)
     if policy == "truncate" and overlong:
-        trainable = dataset["_trainable"]
+        trainable = column_values(dataset, "_trainable")
         drop = {i for i in overlong if not trainable[i]}
         stats["n_truncated"] = len(overlong) - len(drop)
         logger.warning("%d of %d examples longer than max_length=%d were truncated",

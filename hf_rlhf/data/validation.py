@@ -93,6 +93,16 @@ def as_dataset(data) -> Dataset:
     return data if isinstance(data, Dataset) else Dataset.from_list(list(data))
 
 
+def column_values(dataset: Dataset, name: str) -> list:
+    """The values of one column of a `Dataset` as a list, read through Arrow (`dataset[name]` formats the rows one
+    at a time: ~1.2 s for 60,000 rows against ~5 ms).
+
+    >>> column_values(Dataset.from_dict({"a": [1, 2, 3]}).select([2, 0]), "a")
+    [3, 1]
+    """
+    return dataset.with_format("arrow")[name].to_pylist()
+
+
 def column_names(data) -> list[str]:
     """Columns of a Dataset, or the union of keys (first-seen order) of a list of dicts.
 

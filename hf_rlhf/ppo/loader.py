@@ -39,6 +39,7 @@ from ..data import (
     check_text,
     check_unknown_tokens,
     column_names,
+    column_values,
     is_conversational_column,
     special_prefix,
     validate_rows,
@@ -162,7 +163,7 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
 
 
 def _apply_prompt_length(dataset: Dataset, max_length: int | None, policy: str, limit: str) -> Dataset:
-    lengths = [len(ids) for ids in dataset["input_ids"]]
+    lengths = [len(ids) for ids in column_values(dataset, "input_ids")]
     for row, n in enumerate(lengths):
         if n == 0:
             raise DataValidationError(row, "prompt", "at least one token", MISSING)

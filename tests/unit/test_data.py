@@ -605,3 +605,102 @@ def test_assistant_only_loss_with_a_stock_template_uses_trls_training_version():
     assert tok.chat_template == qwen2_5_chat_template
     # the text is the stock template's: training changes which tokens are masked, not what the model sees
     assert tok.decode(ids) == tok.apply_chat_template(rows[0]["messages"], tokenize=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# In-memory preparation maps a batch of rows at a time and encodes each batch's texts in one tokenizer call
+# (`hf_rlhf.data.streaming.map_rows`, `hf_rlhf.data.tokenization.PreEncodedTokenizer`): the rows, logs and errors
+# must be exactly what a row-at-a-time preparation gives.
+
+import random  # noqa: E402
+
+from hf_rlhf import RewardConfig  # noqa: E402
+from hf_rlhf.data import prepare_preference_dataset  # noqa: E402
+from hf_rlhf.data.sft import build_labels  # noqa: E402
+from hf_rlhf.data.streaming import map_rows  # noqa: E402
+from hf_rlhf.data.tokenization import PreEncodedTokenizer, special_prefix, tokenize_prompt_completion  # noqa: E402
+
+# merges make tokens join across the prompt / completion boundary ("a" | "b"), and across words
+MERGES = [("a", "b"), ("c", "d"), ("ab", "cd"), (" ", "x")]
+
+
+def random_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    text = lambda k: "".join(rng.choice("abcdx y") for _ in range(rng.randint(0, k)))  # noqa: E731
+    return [{"prompt": rng.choice("abcd") + text(8) + rng.choice(["a", "c", " ", "ab"]),
+             "completion": rng.choice(["b", "d", "x"]) + text(6)}
+            for _ in range(n)]
+
+
+def count_tokenizer_calls(tokenizer, monkeypatch) -> list[int]:
+    """Patches the tokenizer's class to record its calls: 1 for a text, the list's length for a batch."""
+    calls, inner = [], type(tokenizer).__call__
+
+    def counted(tok, text, *args, **kwargs):
+        calls.append(len(text) if isinstance(text, list) else 1)
+        return inner(tok, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["apart", "joint"])
+def test_sft_rows_equal_one_row_at_a_time_across_batches(mode, monkeypatch):
+    tok = build_tokenizer(merges=MERGES)
+    rows = random_rows(2100)  # three batches of Dataset.map's 1,000
+    expected = [tokenize_prompt_completion(tok, r["prompt"], r["completion"], special_prefix(tok), tok.eos_token_id,
+                                           mode) for r in rows]
+    assert sum(e["_boundary"] for e in expected) > 100  # the merges do cross the boundary
+    calls = count_tokenizer_calls(tok, monkeypatch)
+    out = prepare_sft_dataset(rows, tok, sft_args(prompt_tokenization=mode))
+    assert out["input_ids"] == [e["input_ids"] for e in expected]
+    assert out["completion_mask"] == [e["completion_mask"] for e in expected]
+    # one batched call per batch, not two or three calls per row (the single calls: special_prefix's probes)
+    assert sum(c > 1 for c in calls) == 3 and calls.count(1) <= 2, calls
+
+
+def test_sft_text_rows_and_labels_equal_one_row_at_a_time():
+    tok = build_tokenizer(merges=MERGES)
+    rows = [{"text": r["prompt"] + r["completion"]} for r in random_rows(1500, seed=1)]
+    out = prepare_sft_dataset(rows, tok, sft_args(max_length=12, overlong_policy="truncate"))
+    expected = [(special_prefix(tok) + tok(r["text"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+                [:12] for r in rows]
+    assert out["input_ids"] == expected
+    labeled = build_labels(Dataset.from_dict({"input_ids": [[1, 2, 3]] * 1500, "completion_mask": [[0, 1, 1]] * 1500}))
+    assert labeled.column_names == ["input_ids", "labels"] and set(map(tuple, labeled["labels"])) == {(-100, 2, 3)}
+
+
+def test_preference_rows_equal_one_row_at_a_time():
+    tok = build_tokenizer(merges=MERGES)
+    rows = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": r["completion"] + "y"}
+            for r in random_rows(1200, seed=2)]
+    out = prepare_preference_dataset(rows, tok, RewardConfig(output_dir="o"))
+    for side in ("chosen", "rejected"):
+        assert out[f"{side}_ids"] == [
+            tokenize_prompt_completion(tok, r["prompt"], r[side], special_prefix(tok), tok.eos_token_id)["input_ids"]
+            for r in rows]
+
+
+def test_an_error_names_its_row_in_a_later_batch():
+    def row_fn(row, index, spec):
+        if index == 1234:
+            raise DataValidationError(index, "x", "a small x", row["x"])
+        return {"y": row["x"] + 1}
+
+    data = Dataset.from_dict({"x": list(range(2000))})
+    with pytest.raises(DataValidationError, match="row 1234") as err:
+        data.map(map_rows, batched=True, with_indices=True, fn_kwargs={"row_fn": row_fn, "spec": object()})
+    assert err.value.row == 1234
+
+
+def test_pre_encoded_tokenizer_falls_through_for_anything_else():
+    tok = build_tokenizer(merges=MERGES)
+    pre = PreEncodedTokenizer(tok, ["ab cd", "ab cd", "x"])
+    assert list(pre.ids) == ["ab cd", "x"]  # repeats encoded once
+    assert pre("ab cd", add_special_tokens=False) == {"input_ids": tok("ab cd", add_special_tokens=False)["input_ids"]}
+    assert pre("ab cd")["input_ids"] == tok("ab cd")["input_ids"]  # with special tokens: the tokenizer's
+    assert pre("abx", add_special_tokens=False)["input_ids"] == tok("abx", add_special_tokens=False)["input_ids"]
+    assert pre.eos_token_id == tok.eos_token_id and pre.decode([5]) == tok.decode([5])
+    ids = pre("x", add_special_tokens=False)["input_ids"]
+    ids.append(0)  # a caller's list is its own
+    assert pre("x", add_special_tokens=False)["input_ids"] == tok("x", add_special_tokens=False)["input_ids"]
