@@ -145,15 +145,17 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
     if "input_ids" not in dataset.column_names:
         prefix = special_prefix(tokenizer)
 
-        def tokenize(row):
+        def tokenize(batch):  # a batch of rows: plain prompts in one call into the tokenizer's batch encoder
             if conversational:
-                ids = tokenizer.apply_chat_template(list(row["prompt"]), tokenize=True, return_dict=True,
-                                                    add_generation_prompt=True, tools=tools or None)["input_ids"]
+                ids = [tokenizer.apply_chat_template(list(prompt), tokenize=True, return_dict=True,
+                                                     add_generation_prompt=True, tools=tools or None)["input_ids"]
+                       for prompt in batch["prompt"]]
             else:
-                ids = prefix + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-            return {"input_ids": list(ids)}
+                ids = [prefix + list(encoded)
+                       for encoded in tokenizer(list(batch["prompt"]), add_special_tokens=False)["input_ids"]]
+            return {"input_ids": [list(row_ids) for row_ids in ids]}
 
-        dataset = dataset.map(tokenize, num_proc=args.dataset_num_proc, desc="Tokenizing prompts")
+        dataset = dataset.map(tokenize, batched=True, num_proc=args.dataset_num_proc, desc="Tokenizing prompts")
         check_unknown_tokens(dataset, ("input_ids",), tokenizer, getattr(args, "max_unk_share", None),
                              getattr(args, "strict", False), "prompt")
     limit = (f"max_prompt_length={max_length}" if args.max_prompt_length is not None or max_length is None else
