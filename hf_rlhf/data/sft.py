@@ -28,13 +28,14 @@ from .tokenization import (
     common_prefix_length,
     check_overlong_policy,
     eos_token_id,
+    map_rows,
     prompt_completion_texts,
     resolve_chat_template,
     special_prefix,
     tokenize_prompt_completion,
     with_eos,
 )
-from .streaming import first_rows, is_streamed, map_rows, stream_length_policy, tokenize_rows
+from .streaming import first_rows, is_streamed, stream_length_policy, tokenize_rows
 from .validation import (
     ABSENT,
     DataValidationError,

@@ -9,7 +9,6 @@ A stream has no length and cannot be read twice cheaply, so preparation is lazy,
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from datasets import IterableDataset
@@ -17,13 +16,12 @@ from datasets import IterableDataset
 from .tokenization import (
     BOUNDARY_COLUMN,
     LENGTH_COLUMNS,
-    PreEncodedTokenizer,
     apply_length_policy,
     check_unknown_tokens,
     log_boundary_rows,
+    map_rows,
 )
-from .validation import as_dataset, column_values
-from .validation import DataValidationError, Verbatim
+from .validation import DataValidationError, Verbatim, as_dataset, column_values
 
 
 def is_streamed(dataset) -> bool:
@@ -86,33 +84,6 @@ def check_streamed_training(args, train_dataset) -> None:
         raise ValueError(f"train_dataset is a streamed IterableDataset, which has no length: set max_steps > 0 "
                          f"(got max_steps={args.max_steps}); num_train_epochs cannot be counted on a stream")
     args.accelerator_config.dispatch_batches = False
-
-
-def map_rows(batch: dict, indices: list[int], row_fn, fn_kwargs: dict | None = None, spec=None, texts_fn=None) -> dict:
-    """A batched `Dataset.map` function that applies the per-row `row_fn` to each row of `batch`: the rows and
-    their errors are the per-row map's, without its per-row overhead in `datasets` (tens of microseconds a row).
-
-    Args:
-        batch: {column: [value per row]}; indices: the rows' indices in the dataset.
-        row_fn: `row_fn(row, index, spec)` with `spec`, else `row_fn(row, **fn_kwargs)`; returns a dict (the same
-            keys for every row).
-        spec: a tokenization spec (a dataclass with a `tokenizer` field).
-        texts_fn: `texts_fn(row, spec)`, the texts the row will encode with `add_special_tokens=False`: encoded
-            ahead for the whole batch (`PreEncodedTokenizer`).
-
-    Returns:
-        {column: [value per row]}.
-    """
-    columns = list(batch)
-    rows = [dict(zip(columns, values)) for values in zip(*(batch[c] for c in columns))]
-    if spec is None:
-        outs = [row_fn(row, **(fn_kwargs or {})) for row in rows]
-    else:
-        if texts_fn is not None:
-            texts = [text for row in rows for text in texts_fn(row, spec)]
-            spec = dataclasses.replace(spec, tokenizer=PreEncodedTokenizer(spec.tokenizer, texts))
-        outs = [row_fn(row, index, spec) for row, index in zip(rows, indices)]
-    return {key: [out[key] for out in outs] for key in (outs[0] if outs else {})}
 
 
 def tokenize_rows(dataset, row_fn, spec, options, field: str, desc: str, first_row: dict | None = None,

@@ -9,6 +9,7 @@ and the over-long policy applied to a tokenized dataset (`apply_length_policy`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -303,6 +304,33 @@ class PreEncodedTokenizer:
         if name in ("tokenizer", "ids"):  # not set yet (copy / unpickling): no recursion into __getattr__
             raise AttributeError(name)
         return getattr(self.tokenizer, name)
+
+
+def map_rows(batch: dict, indices: list[int], row_fn, fn_kwargs: dict | None = None, spec=None, texts_fn=None) -> dict:
+    """A batched `Dataset.map` function that applies the per-row `row_fn` to each row of `batch`: the rows and
+    their errors are the per-row map's, without its per-row overhead in `datasets` (tens of microseconds a row).
+
+    Args:
+        batch: {column: [value per row]}; indices: the rows' indices in the dataset.
+        row_fn: `row_fn(row, index, spec)` with `spec`, else `row_fn(row, **fn_kwargs)`; returns a dict (the same
+            keys for every row).
+        spec: a tokenization spec (a dataclass with a `tokenizer` field).
+        texts_fn: `texts_fn(row, spec)`, the texts the row will encode with `add_special_tokens=False`: encoded
+            ahead for the whole batch (`PreEncodedTokenizer`).
+
+    Returns:
+        {column: [value per row]}.
+    """
+    columns = list(batch)
+    rows = [dict(zip(columns, values)) for values in zip(*(batch[c] for c in columns))]
+    if spec is None:
+        outs = [row_fn(row, **(fn_kwargs or {})) for row in rows]
+    else:
+        if texts_fn is not None:
+            texts = [text for row in rows for text in texts_fn(row, spec)]
+            spec = dataclasses.replace(spec, tokenizer=PreEncodedTokenizer(spec.tokenizer, texts))
+        outs = [row_fn(row, index, spec) for row, index in zip(rows, indices)]
+    return {key: [out[key] for out in outs] for key in (outs[0] if outs else {})}
 
 
 def tokenize_prompt_completion(tokenizer, prompt: str, completion: str, prefix: list[int], eos_id: int,

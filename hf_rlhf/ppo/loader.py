@@ -151,8 +151,8 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
                                                      add_generation_prompt=True, tools=tools or None)["input_ids"]
                        for prompt in batch["prompt"]]
             else:
-                ids = [prefix + list(encoded)
-                       for encoded in tokenizer(list(batch["prompt"]), add_special_tokens=False)["input_ids"]]
+                encoded = tokenizer(list(batch["prompt"]), add_special_tokens=False)["input_ids"]
+                ids = [prefix + row_ids for row_ids in encoded]
             return {"input_ids": [list(row_ids) for row_ids in ids]}
 
         dataset = dataset.map(tokenize, batched=True, num_proc=args.dataset_num_proc, desc="Tokenizing prompts")

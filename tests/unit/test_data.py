@@ -617,8 +617,12 @@ import random  # noqa: E402
 from hf_rlhf import RewardConfig  # noqa: E402
 from hf_rlhf.data import prepare_preference_dataset  # noqa: E402
 from hf_rlhf.data.sft import build_labels  # noqa: E402
-from hf_rlhf.data.streaming import map_rows  # noqa: E402
-from hf_rlhf.data.tokenization import PreEncodedTokenizer, special_prefix, tokenize_prompt_completion  # noqa: E402
+from hf_rlhf.data.tokenization import (  # noqa: E402
+    PreEncodedTokenizer,
+    map_rows,
+    special_prefix,
+    tokenize_prompt_completion,
+)
 
 # merges make tokens join across the prompt / completion boundary ("a" | "b"), and across words
 MERGES = [("a", "b"), ("c", "d"), ("ab", "cd"), (" ", "x")]
