@@ -235,3 +235,48 @@ def prompt_groups(query_ids: torch.LongTensor, query_mask: torch.Tensor) -> tupl
     first = torch.full((int(group.max()) + 1,), batch, dtype=torch.long, device=query_ids.device).scatter_reduce(
         0, group, rows, reduce="amin")
     return group, first
+
+
+def left_padding(mask: torch.Tensor) -> int:
+    """The number of leading columns of a left-padded (B, T) 0/1 mask that are padding in every row (0 for a mask
+    with no 1).
+
+    >>> left_padding(torch.tensor([[0, 0, 1], [0, 1, 1]]))
+    1
+    """
+    return int(mask.any(0).long().argmax()) if mask.any() else 0
+
+
+def padding_bounds(query_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[int, int]:
+    """(q_start, r_end): the left-padded prompt columns before `q_start` and the right-padded response columns from
+    `r_end` on are padding in every row, so `[:, q_start:]` and `[:, :r_end]` keep every real token.
+
+    Args:
+        query_mask: (B, Q) 0/1, left-padded. response_mask: (B, R) 0/1, right-padded.
+
+    Returns:
+        q_start in [0, Q] (0 when no row has a prompt token), r_end in [1, R] (1 when no row has a response token,
+        so that a response column remains).
+
+    >>> padding_bounds(torch.tensor([[0, 0, 1], [0, 1, 1]]), torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0]]))
+    (1, 2)
+    """
+    q_start = left_padding(query_mask)
+    r_end = int(response_mask.any(0).nonzero().max()) + 1 if response_mask.any() else 1
+    return q_start, r_end
+
+
+def length_sorted_chunks(lengths: torch.Tensor, size: int) -> list[torch.LongTensor]:
+    """Row indices in chunks of at most `size` rows, the rows in ascending `lengths` (equal lengths in row order),
+    so that the rows of a chunk are of similar length and its padded width is near its rows' own.
+
+    Args:
+        lengths: (B,) integer lengths. size: rows per chunk (>= 1).
+
+    Returns:
+        ceil(B / size) (n,) long tensors; together every row once.
+
+    >>> length_sorted_chunks(torch.tensor([5, 2, 9, 2, 7]), 2)
+    [tensor([1, 3]), tensor([0, 4]), tensor([2])]
+    """
+    return list(torch.sort(lengths, stable=True).indices.split(size))

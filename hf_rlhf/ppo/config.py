@@ -100,6 +100,15 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             policy or no value function (a separate value model or a value adapter needs its own forward anyway);
             else off with a log line. True: required (an error where it cannot be); False: off. Nothing to do where
             the loss gives the old log-probs (`old_logprobs_in_loss`: one optimizer step per rollout, critic-free).
+        group_by_length: rows of similar length are computed together, with less padding: the rollout's generation
+            and forward chunks (`local_rollout_forward_batch_size` rows) take the rows sorted by prompt length, each
+            chunk cut to its own width, and each optimizer step's micro-batches are re-cut by length (the step holds
+            the same rows, so its token-mean loss and gradient are the same to float rounding;
+            `hf_rlhf.ppo.loader.group_steps_by_length`). None (default): on, except the micro-batch cut with
+            `loss_type="bnpo"`, whose token mean per micro-batch depends on the cut (grouping by length would weigh
+            the tokens of short responses more); True: on (an error with bnpo); False: off (rows in their random
+            order, chunks and micro-batches padded to their longest row). `train_sampling_strategy` (the Trainer's
+            prompt sampler) does not apply: prompts are drawn in a seeded random order.
         stop_token: "eos" (default) or None; stop_token_id: an explicit stop token (wins over stop_token). The
             response ends after the first stop token; tokens after it are padding.
         missing_eos_penalty: subtracted from the score of a response that never produced the stop token.
@@ -206,6 +215,11 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     logprobs_from_generation: bool | None = field(
         default=None, metadata={"help": "Read the old log-probs (and a value head's values) off the decoding instead "
                                         "of a policy forward. None: on where it applies."},
+    )
+    group_by_length: bool | None = field(
+        default=None, metadata={"help": "Compute rows of similar length together (rollout chunks sorted by prompt "
+                                        "length, each step's micro-batches re-cut by length). None: on, except the "
+                                        "micro-batch cut with loss_type bnpo."},
     )
     stop_token: str | None = field(
         default="eos", metadata={"help": "'eos' to end responses at the eos token, or None (run to response_length)."}
@@ -327,6 +341,11 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         return self.rollout_batch_size // self.num_generations
 
     @property
+    def micro_batches_by_length(self) -> bool:
+        """Whether each optimizer step's micro-batches are re-cut by length (`group_by_length`; not with bnpo)."""
+        return self.group_by_length is not False and self.loss_type != "bnpo"
+
+    @property
     def uses_reference(self) -> bool:
         """False when β is fixed at 0: the KL is then in no reward and no loss, so no reference is built (no frozen
         copy, no adapters-off forward) and the KL is not logged, as TRL's GRPO with `beta=0`. Set a small `kl_coef`
@@ -421,6 +440,14 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
              f"filter_groups drops prompt groups whose rewards are all equal: it needs a group estimator "
              f"{GROUP_ESTIMATORS}, got advantage_estimator={self.advantage_estimator!r}"),
             (self.max_num_gen_batches >= 1, f"max_num_gen_batches must be >= 1, got {self.max_num_gen_batches}"),
+            (not (self.group_by_length and self.loss_type == "bnpo"),
+             "group_by_length=True re-cuts each step's micro-batches by length, and loss_type='bnpo' takes a token "
+             "mean per micro-batch: the cut would weigh the tokens of short responses more. Use loss_type='dapo' "
+             "(the step's token mean) or group_by_length=None / False"),
+            (self.train_sampling_strategy == "random",
+             f"train_sampling_strategy={self.train_sampling_strategy!r} is the Trainer's sampler, which PPOTrainer "
+             "does not use: prompts are drawn in a seeded random order (seed / data_seed); group_by_length groups "
+             "the rollout's rows by length"),
             (self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
              f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}"),
             (self.tool_call_timeout is None or self.tool_call_timeout > 0,

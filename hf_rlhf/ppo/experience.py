@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..tensors import padding_bounds
+
 
 @dataclass
 class Experience:
@@ -63,8 +65,7 @@ class Experience:
 
         A micro-batch of a rollout is usually narrower than the rollout; the forward then costs less.
         """
-        q_start = int(self.query_mask.any(0).long().argmax()) if self.query_mask.any() else 0
-        r_end = int(self.context_mask.any(0).nonzero().max()) + 1 if self.context_mask.any() else 1
+        q_start, r_end = padding_bounds(self.query_mask, self.context_mask)
         out = {}
         for name, value in self.to_dict().items():
             if name.startswith("query_"):

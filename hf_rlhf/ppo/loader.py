@@ -7,7 +7,10 @@ itself (`process_index` / `num_processes`). Per epoch of the prompt dataset::
     prompts (shuffled by seed + epoch, the same order on every rank)
       -> rollouts of `rollout_batch_size / num_generations` prompts per rank (the last incomplete one is dropped),
          each prompt repeated `num_generations` times in consecutive rows: `rollout_batch_size` rows (completions)
-      -> per rollout: `num_ppo_epochs` shuffled passes over its rows, cut into micro-batches of `micro_batch_size`
+      -> per rollout: `num_ppo_epochs` shuffled passes over its rows, cut into micro-batches of `micro_batch_size`;
+         with `group_by_length` the rows of each optimizer step (its `gradient_accumulation_steps` micro-batches)
+         are re-cut by length (`group_steps_by_length`): the step's rows and its gradient stay the same, each
+         micro-batch carries less padding
 
 `len(loader)` is the number of micro-batches per epoch, so the Trainer's `steps_in_epoch` and
 `num_update_steps_per_epoch` come out right.
@@ -49,6 +52,41 @@ from .experience import Experience
 logger = logging.getLogger("hf_rlhf")
 
 EXPERIENCE_FILE = "ppo_experience_rank{rank}.pt"
+
+
+def length_keys(experience: Experience, num_generations: int) -> list[tuple[int, int, int]]:
+    """Per row of a rollout, the key `group_steps_by_length` sorts by: (prompt length, prompt group, response
+    length). The group (row // G for G > 1 completions per prompt, 0 otherwise) keeps a prompt's rows next to each
+    other, so that the forward of a micro-batch computes their shared prompt once (`prefix_sharing`)."""
+    prompt = experience.query_mask.sum(1).tolist()
+    response = experience.context_mask.sum(1).tolist()
+    groups = [row // num_generations if num_generations > 1 else 0 for row in range(len(prompt))]
+    return list(zip(prompt, groups, response))
+
+
+def group_steps_by_length(batches: list[list[int]], keys: list, per_step: int) -> list[list[int]]:
+    """Micro-batches re-cut by length within each optimizer step.
+
+    Args:
+        batches: micro-batches (lists of row indices), `per_step` consecutive ones making one optimizer step, all of
+            one size.
+        keys: a sortable key per row (`length_keys`).
+        per_step: micro-batches per optimizer step (`gradient_accumulation_steps`).
+
+    Returns:
+        as many micro-batches of the same size: each step's rows sorted by key (ties in their order in `batches`)
+        and cut again, so a step holds the same rows as before and each micro-batch rows of similar length.
+
+    >>> group_steps_by_length([[0, 1], [2, 3], [4, 5]], [9, 1, 8, 2, 3, 4], per_step=2)
+    [[1, 3], [2, 0], [4, 5]]
+    """
+    out = []
+    for start in range(0, len(batches), per_step):
+        step = batches[start:start + per_step]
+        rows = sorted((row for batch in step for row in batch), key=keys.__getitem__)
+        size = len(step[0])
+        out += [rows[i:i + size] for i in range(0, len(rows), size)]
+    return out
 
 
 def seeded_generator(*key: int) -> torch.Generator:
@@ -213,6 +251,8 @@ class ExperienceLoader:
         refill: pass `make_experience` a `refill=round -> (rows, indices)` keyword for dynamic sampling: round r of
             rollout k draws `rollout_batch_size / G` further prompts by a generator seeded with (seed, epoch, k,
             rank, r), so a resumed run draws the same ones with no state saved (`refill_indices`).
+        group_by_length: re-cut each optimizer step's micro-batches by length (`group_steps_by_length`); the cut is
+            part of the rollout's state, so a resumed run reads it from the checkpoint.
     """
 
     def __init__(self, dataset, make_experience: Callable, *, rollout_batch_size: int, micro_batch_size: int,
@@ -220,7 +260,7 @@ class ExperienceLoader:
                  gradient_accumulation_steps: int = 1, get_global_step: Callable[[], int] = lambda: 0,
                  get_resume_dir: Callable[[], str | None] = lambda: None, device=None,
                  extra_batch: Callable[[int], dict] | None = None, num_generations: int = 1,
-                 refill: bool = False):
+                 refill: bool = False, group_by_length: bool = False):
         if num_generations < 1 or rollout_batch_size % num_generations:
             raise ValueError(f"rollout_batch_size={rollout_batch_size} is not a multiple of num_generations="
                              f"{num_generations}")
@@ -234,7 +274,7 @@ class ExperienceLoader:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.get_global_step, self.get_resume_dir = get_global_step, get_resume_dir
         self.device, self.extra_batch = device, extra_batch
-        self.num_generations, self.refill = num_generations, refill
+        self.num_generations, self.refill, self.group_by_length = num_generations, refill, group_by_length
         self.epoch = 0
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, prompt permutation)
         self._rollout: dict | None = None  # the rollout being handed out, and how far (for checkpoints)
@@ -284,13 +324,16 @@ class ExperienceLoader:
             return _rows(self._dataset, indices), indices
         return rows_of_round
 
-    def _batch_order(self, epoch: int, rollout: int) -> list[list[int]]:
+    def _batch_order(self, epoch: int, rollout: int, experience: Experience) -> list[list[int]]:
         generator = seeded_generator(self.seed, epoch, rollout, self.process_index, 1)
         batches = []
         for _ in range(self.num_ppo_epochs):
             perm = torch.randperm(self.rollout_batch_size, generator=generator)
             batches += [perm[i:i + self.micro_batch_size].tolist()
                         for i in range(0, self.rollout_batch_size, self.micro_batch_size)]
+        if self.group_by_length:
+            keys = length_keys(experience, self.num_generations)
+            batches = group_steps_by_length(batches, keys, self.gradient_accumulation_steps)
         return batches
 
     # -- iteration -------------------------------------------------------------------------------------
@@ -307,7 +350,7 @@ class ExperienceLoader:
                 extra = {"refill": self._refill(epoch, rollout)} if self.refill else {}
                 experience, stats = self.make_experience(rows, indices, **extra)
                 self._rollout = {"epoch": epoch, "rollout": rollout, "position": 0, "experience": experience,
-                                 "stats": stats, "order": self._batch_order(epoch, rollout)}
+                                 "stats": stats, "order": self._batch_order(epoch, rollout, experience)}
             for j in range(offset, per_rollout):
                 self._rollout["position"] = j + 1
                 yield self._micro_batch(j, epoch * len(self) + rollout * per_rollout + j)

@@ -18,7 +18,8 @@ from ..collators import LeftPaddingCollator
 from ..generation import GenerationOutput, build_engine
 from ..reward_models import unwrap_peft
 from ..rewards.base import RewardError, check_scores
-from ..tensors import first_true_indices, logprobs_from_logits
+from ..tensors import (first_true_indices, left_padding, length_sorted_chunks, logprobs_from_logits,
+                       padding_bounds)
 from .critic_free import informative_groups, truncated_loss_mask
 from .estimators import estimate_advantages
 from .experience import Experience
@@ -282,19 +283,20 @@ class RolloutMaker:
                 kwargs = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, eos_token_id=self.stop_token_id,
                               generation_kwargs=args.generation_kwargs, return_logprobs=capture, return_hidden=hidden)
-                chunks = []
-                for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):
-                    end = start + args.local_rollout_forward_batch_size
-                    chunks.append(self.engine.generate(unwrapped, query_ids[start:end], query_mask[start:end],
+                chunks, order = [], self._row_chunks(query_mask)
+                for rows in order:  # each chunk without the prompt columns that are padding in all its rows
+                    start = left_padding(query_mask[rows])
+                    chunks.append(self.engine.generate(unwrapped, query_ids[rows, start:], query_mask[rows, start:],
                                                        **kwargs))
                 width = max(chunk.response_ids.shape[1] for chunk in chunks)
+                back = torch.argsort(torch.cat(order))  # the chunks' rows back in the caller's order
 
-                def joined(name, value):  # chunks padded on the right to the widest, then stacked
+                def joined(name, value):  # chunks padded on the right to the widest, stacked, rows put back
                     parts = [getattr(chunk, name) for chunk in chunks]
                     if any(part is None for part in parts):
                         return None
                     tail = (0, 0) * (parts[0].dim() - 2)  # (B, N) or (B, N, H): pad dimension 1
-                    return torch.cat([F.pad(p, tail + (0, width - p.shape[1]), value=value) for p in parts])
+                    return torch.cat([F.pad(p, tail + (0, width - p.shape[1]), value=value) for p in parts])[back]
 
                 return GenerationOutput(joined("response_ids", pad), joined("logprobs", 0.0), joined("hidden", 0.0))
 
@@ -331,11 +333,13 @@ class RolloutMaker:
         """(old log-probs, old values, reference log-probs), each (B, R); without `policy` the first two are zeros
         (the loss computes the old log-probs; critic-free estimators have no values). `response_mask` is the
         attention over the response side (the context mask: environment tokens included)."""
-        args = self.args
+        args, width = self.args, response_ids.shape[1]
         logprobs, values, ref_logprobs = [], [], []
-        for start in range(0, query_ids.shape[0], args.local_rollout_forward_batch_size):
-            part = [t[start:start + args.local_rollout_forward_batch_size]
-                    for t in (query_ids, query_mask, response_ids, response_mask)]
+        order = self._row_chunks(query_mask)
+        for rows in order:  # each chunk cut to its own width: (b, r) outputs, padded back to (b, R) below
+            q_start, r_end = padding_bounds(query_mask[rows], response_mask[rows])
+            part = [query_ids[rows, q_start:], query_mask[rows, q_start:], response_ids[rows, :r_end],
+                    response_mask[rows, :r_end]]
             if policy:
                 logits, value, _ = response_logits(model, *part, temperature=args.temperature,
                                                    share_prompts=self.share_prompts)
@@ -350,7 +354,20 @@ class RolloutMaker:
                 continue
             ref_logits = self._reference_logits(model.policy, part)
             ref_logprobs.append(logprobs_from_logits(ref_logits, part[2]))
-        return torch.cat(logprobs), torch.cat(values), torch.cat(ref_logprobs)
+        back = torch.argsort(torch.cat(order))
+
+        def joined(parts):  # zeros past each chunk's width (after every row's end), rows in the caller's order
+            return torch.cat([F.pad(p, (0, width - p.shape[1])) for p in parts])[back]
+
+        return joined(logprobs), joined(values), joined(ref_logprobs)
+
+    def _row_chunks(self, query_mask) -> list[torch.LongTensor]:
+        """The rows of a rollout forward or generation call in chunks of `local_rollout_forward_batch_size`: with
+        `group_by_length` sorted by prompt length (a prompt's G rows stay together), else in order."""
+        size, batch = self.args.local_rollout_forward_batch_size, query_mask.shape[0]
+        if self.args.group_by_length is not False and batch > size:
+            return length_sorted_chunks(query_mask.sum(1), size)
+        return list(torch.arange(batch, device=query_mask.device).split(size))
 
     def _reference_logits(self, policy, part):
         if self.ref_model is not None:

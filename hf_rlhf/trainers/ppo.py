@@ -367,7 +367,8 @@ class PPOTrainer(BaseTrainer):
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             get_global_step=lambda: self.state.global_step, get_resume_dir=lambda: self._resume_from,
             device=self.accelerator.device, extra_batch=self._ptx_batch if self.ptx_dataset is not None else None,
-            num_generations=args.num_generations, refill=args.filter_groups)
+            num_generations=args.num_generations, refill=args.filter_groups,
+            group_by_length=args.micro_batches_by_length)
         return self._loader
 
     def compute_rewards(self, prompts: list, completions: list, **columns) -> torch.Tensor:

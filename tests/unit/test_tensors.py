@@ -13,11 +13,14 @@ import hf_rlhf
 from hf_rlhf.tensors import (
     entropy_from_logits,
     first_true_indices,
+    left_padding,
+    length_sorted_chunks,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
+    padding_bounds,
 )
 
 X = torch.tensor([1.0, 2.0, 3.0, 100.0])
@@ -113,6 +116,26 @@ def test_entropy_uniform_is_log_v_and_matches_definition():
 def test_first_true_indices():
     bools = torch.tensor([[False, True, False, True], [False, False, False, False], [True, False, False, False]])
     assert first_true_indices(bools).tolist() == [1, 4, 0]
+
+
+def test_padding_bounds_keep_every_real_token():
+    query_mask = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0, 0, 1]])
+    response_mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
+    assert left_padding(query_mask) == 2
+    assert padding_bounds(query_mask, response_mask) == (2, 3)
+    q_start, r_end = padding_bounds(query_mask, response_mask)
+    assert query_mask[:, q_start:].sum() == query_mask.sum() and response_mask[:, :r_end].sum() == response_mask.sum()
+    # nothing to cut, and the empty cases: no prompt token keeps every column, no response token keeps one column
+    assert padding_bounds(torch.ones(2, 3), torch.ones(2, 4)) == (0, 4)
+    assert padding_bounds(torch.zeros(2, 3), torch.zeros(2, 4)) == (0, 1)
+
+
+def test_length_sorted_chunks_cover_every_row_once_in_length_order():
+    lengths = torch.tensor([5, 2, 9, 2, 7, 5, 1])
+    chunks = length_sorted_chunks(lengths, 3)
+    assert [c.tolist() for c in chunks] == [[6, 1, 3], [0, 5, 4], [2]]  # ties (2, 2 and 5, 5) keep row order
+    assert sorted(torch.cat(chunks).tolist()) == list(range(7))
+    assert [c.tolist() for c in length_sorted_chunks(lengths, 10)] == [[6, 1, 3, 0, 5, 4, 2]]
 
 
 def test_pure_math_imports_torch_only():

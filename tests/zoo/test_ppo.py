@@ -140,3 +140,90 @@ def test_beta_zero_builds_and_runs_no_reference(tmp_path, model_type, lora):
     trainer, calls, changed, logs = run(0.01)
     assert (trainer.ref_model is None) == lora and len(calls) == 2  # adapters off, or the frozen copy
     assert all("objective/kl" in h and "loss/kl_avg" in h for h in logs)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_rollout_forwards_in_length_sorted_chunks_equal_one_forward(tmp_path, model_type):
+    """`group_by_length`: the rollout's forwards take the rows sorted by prompt length, in chunks of
+    `local_rollout_forward_batch_size`, each cut to its own width; log-probs, values and reference log-probs come
+    back in the rows' order and equal one forward of the whole padded batch (to float rounding), as do in-order
+    chunks (group_by_length=False), which are cut to their width too."""
+    from hf_rlhf.ppo.rollout import RolloutMaker
+
+    module = PolicyAndValue(build(model_type)).eval()
+    reference = build(model_type, seed=1)
+    prompts = random_sequences([6, 2, 4, 1, 5, 3], seed=7)
+    responses = random_sequences([3, 5, 1, 4, 2, 5], seed=8)
+    query = LeftPaddingCollator(PAD_ID, passthrough=False)([{"input_ids": p} for p in prompts])
+    width = max(map(len, responses))
+    response_ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in responses])
+    response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in responses])
+    mask = response_mask.bool()
+
+    def forward(size, grouping):
+        args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none", kl_coef=0.05,
+                         local_rollout_forward_batch_size=size, group_by_length=grouping, temperature=0.7)
+        maker = RolloutMaker(args, TOKENIZER, None, None, ref_model=reference)
+        chunks = maker._row_chunks(query["attention_mask"])
+        with torch.no_grad():
+            out = maker._forward(module, query["input_ids"], query["attention_mask"], response_ids, response_mask)
+        return [c.tolist() for c in chunks], out
+
+    whole_chunks, whole = forward(6, None)
+    assert whole_chunks == [[0, 1, 2, 3, 4, 5]]
+    for grouping, expected in ((None, [[3, 1], [5, 2], [4, 0]]), (False, [[0, 1], [2, 3], [4, 5]])):
+        chunks, out = forward(2, grouping)
+        assert chunks == expected
+        for name, got, want in zip(("log-probs", "values", "reference"), out, whole):
+            assert got.shape == want.shape
+            assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-4, msg=f"{name}, group_by_length={grouping}")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen2_moe"])
+def test_length_grouping_changes_no_rollout_and_no_step(tmp_path, model_type):
+    """One greedy rollout made in length-sorted chunks of 2 rows gives the tokens, log-probs and reference of one
+    chunk of all 8, and an optimizer step whose micro-batches are re-cut by length (dapo: the step's token mean)
+    ends at the weights of the randomly cut step (SGD: Adam's first step, ~lr x sign(gradient), would turn the
+    rounding of near-zero gradients into lr-sized differences); with bnpo (a token mean per micro-batch) the default
+    keeps the random cut, bit for bit."""
+    def trainer_for(loss_type="dapo", **options):
+        args = PPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                         gradient_accumulation_steps=4, rollout_batch_size=8, num_ppo_epochs=1, response_length=5,
+                         max_steps=1, save_strategy="no", report_to="none", learning_rate=1e-2, seed=0,
+                         disable_tqdm=True, kl_coef=0.1, loss_type=loss_type, generation_kwargs={"do_sample": False},
+                         optim="sgd", **options)
+        return PPOTrainer(build(model_type), lambda prompts, completions, **kw: [len(c) % 3 for c in completions],
+                          args=args, train_dataset=prompt_dataset(8, seed=1), processing_class=TOKENIZER)
+
+    rows = [dict(zip(prompt_dataset(8, seed=1).column_names, values)) for values in zip(
+        *prompt_dataset(8, seed=1).to_dict().values())]
+    experiences = {}
+    for size, grouping in ((8, False), (2, None)):
+        trainer = trainer_for(local_rollout_forward_batch_size=size, group_by_length=grouping)
+        prepared = [dict(row, **trainer.train_dataset[i]) for i, row in enumerate(rows)]
+        experiences[size] = trainer.rollout_maker.make(trainer.model, prepared, kl_coef=0.1)[0]
+    one, chunked = experiences[8], experiences[2]
+    assert len(set(chunked.query_mask.sum(1).tolist())) > 2  # prompts of several lengths
+    assert torch.equal(chunked.response_ids, one.response_ids)
+    mask = one.response_mask.bool()
+    for name in ("old_logprobs", "ref_logprobs", "old_values"):
+        assert_close(getattr(chunked, name)[mask], getattr(one, name)[mask], atol=1e-5, rtol=1e-4, msg=name)
+
+    def weights_after_a_step(**options):
+        trainer = trainer_for(local_rollout_forward_batch_size=8, **options)
+        cuts = []
+        original = trainer.compute_loss
+        trainer.compute_loss = lambda model, inputs, **kw: cuts.append(inputs["query_mask"].sum(1).tolist()) or \
+            original(model, inputs, **kw)
+        trainer.train()
+        return {n: p.detach().clone() for n, p in trainer.model.policy.named_parameters()}, cuts
+
+    (grouped, grouped_cut), (plain, plain_cut) = weights_after_a_step(), weights_after_a_step(group_by_length=False)
+    assert grouped_cut != plain_cut and sorted(sum(grouped_cut, [])) == sorted(sum(plain_cut, []))
+    assert [max(c) for c in grouped_cut] == sorted(max(c) for c in grouped_cut)  # micro-batches by length
+    for name in plain:
+        assert_close(grouped[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+    (bnpo, bnpo_cut), (bnpo_plain, bnpo_plain_cut) = (weights_after_a_step(loss_type="bnpo"),
+                                                      weights_after_a_step(loss_type="bnpo", group_by_length=False))
+    assert bnpo_cut == bnpo_plain_cut
+    assert all(torch.equal(bnpo[name], bnpo_plain[name]) for name in bnpo_plain)
