@@ -15,7 +15,8 @@ function. The KL is where each TRL trainer puts it:
         `kl_coef=0.05`).
 hf_rlhf runs with its defaults otherwise: with G > 1 completions per prompt that includes `prefix_sharing` (the
 prompt computed once for the completions of a forward); `hf_rlhf_grpo_unshared` is the same run with it off, to
-measure that saving alone.
+measure that saving alone, and `hf_rlhf_grpo_ungrouped` the same with `group_by_length` off (each step's
+micro-batches cut at random instead of by length).
 Episodes (completions generated) and optimizer steps are counted in every run and checked equal across a pair.
 
 episodes/s = completions generated / wall time of `trainer.train()` (episodes/CPU-s: / its CPU time, one thread,
@@ -56,6 +57,7 @@ CONFIGS = {
     # hf_rlhf GRPO with an explicit `PPOConfig.generation_backend` (hf_rlhf_grpo: the trainer's default)
     "hf_rlhf_grpo_generate": ("hf_rlhf", "grpo", None), "hf_rlhf_grpo_lean": ("hf_rlhf", "grpo", None),
     "hf_rlhf_grpo_unshared": ("hf_rlhf", "grpo", None),  # prefix_sharing=False: every completion runs its prompt
+    "hf_rlhf_grpo_ungrouped": ("hf_rlhf", "grpo", None),  # group_by_length=False: micro-batches cut at random
     # the value group: what the value function costs, on PPO's one sample per prompt (--configs value)
     "hf_rlhf_reinforce_pp": ("hf_rlhf", "reinforce_pp", None),
     "hf_rlhf_ppo_value_head": ("hf_rlhf", "gae", "head"),
@@ -64,9 +66,10 @@ CONFIGS = {
 DEFAULT_CONFIGS = ("hf_rlhf_grpo", "trl_grpo", "hf_rlhf_rloo", "trl_rloo")
 VALUE_CONFIGS = ("hf_rlhf_reinforce_pp", "hf_rlhf_ppo_value_head", "hf_rlhf_ppo_value_model")
 BACKENDS = {"hf_rlhf_grpo_generate": "generate", "hf_rlhf_grpo_lean": "lean"}
-OPTIONS = {"hf_rlhf_grpo_unshared": {"prefix_sharing": False}}  # PPOConfig options of a configuration
+OPTIONS = {"hf_rlhf_grpo_unshared": {"prefix_sharing": False},  # PPOConfig options of a configuration
+           "hf_rlhf_grpo_ungrouped": {"group_by_length": False}}
 REFERENCE = {"hf_rlhf_grpo": "trl_grpo", "hf_rlhf_grpo_generate": "trl_grpo", "hf_rlhf_grpo_lean": "trl_grpo",
-             "hf_rlhf_grpo_unshared": "trl_grpo",
+             "hf_rlhf_grpo_unshared": "trl_grpo", "hf_rlhf_grpo_ungrouped": "trl_grpo",
              "hf_rlhf_rloo": "trl_rloo", "hf_rlhf_ppo_value_head": "hf_rlhf_reinforce_pp",
              "hf_rlhf_ppo_value_model": "hf_rlhf_reinforce_pp"}
 PRESETS = {
