@@ -61,3 +61,31 @@ def test_critic_free_bench_long_prompts_beta_zero(tmp_path):
         assert "forward/reference/no_grad" not in run["phases"]["seconds"], run["config"]
     assert "Reproduce: `python bench/critic_free.py --quick --prompts long --configs hf_rlhf_grpo_unshared,trl_grpo " \
            "--grpo_beta 0 --repeats 1`" in done.stdout
+
+
+def test_every_configurations_options_are_ppo_options(tmp_path):
+    """The hf_rlhf configurations that differ by options (`OPTIONS`: prefix_sharing, group_by_length off) pass
+    options that PPOConfig takes and keeps (a renamed option would stop the bench only after minutes of others)."""
+    import importlib.util
+
+    from hf_rlhf.ppo.config import PPOConfig
+
+    # critic_free imports its neighbours as `harness` and `ppo`: put back whatever those names were (a recipe's
+    # `ppo` imported by another test must not be shadowed by the bench's, nor the other way round)
+    saved = {name: sys.modules.pop(name, None) for name in ("harness", "ppo")}
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("critic_free_bench", BENCH)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(BENCH.parent))
+        for name, module in saved.items():
+            sys.modules.pop(name, None)
+            if module is not None:
+                sys.modules[name] = module
+    assert set(bench.OPTIONS) == {"hf_rlhf_grpo_unshared", "hf_rlhf_grpo_ungrouped"}
+    for name, options in bench.OPTIONS.items():
+        assert name in bench.CONFIGS and bench.REFERENCE[name] == "trl_grpo"
+        args = PPOConfig(output_dir=str(tmp_path), report_to="none", **options)
+        assert all(getattr(args, key) == value for key, value in options.items()), name
