@@ -29,9 +29,10 @@ def _experience(prompt_lengths, response_lengths):
     response_mask = (columns_r < torch.tensor(response_lengths).unsqueeze(1)).long()
     rows = torch.arange(batch).unsqueeze(1)
     zeros = torch.zeros(batch, r)
-    return Experience(query_ids=(rows + 10) * query_mask, query_mask=query_mask, response_ids=(rows + 10) * response_mask,
-                      response_mask=response_mask, old_logprobs=zeros, ref_logprobs=zeros, old_values=zeros,
-                      scores=torch.zeros(batch), rewards=zeros, advantages=zeros, returns=zeros)
+    return Experience(query_ids=(rows + 10) * query_mask, query_mask=query_mask,
+                      response_ids=(rows + 10) * response_mask, response_mask=response_mask, old_logprobs=zeros,
+                      ref_logprobs=zeros, old_values=zeros, scores=torch.zeros(batch), rewards=zeros,
+                      advantages=zeros, returns=zeros)
 
 
 def test_length_keys_keep_a_prompts_rows_together():
