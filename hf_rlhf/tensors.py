@@ -280,3 +280,24 @@ def length_sorted_chunks(lengths: torch.Tensor, size: int) -> list[torch.LongTen
     [tensor([1, 3]), tensor([0, 4]), tensor([2])]
     """
     return list(torch.sort(lengths, stable=True).indices.split(size))
+
+
+def rejoin_chunks(parts: list[torch.Tensor], chunks: list[torch.LongTensor], width: int,
+                  value: float = 0.0) -> torch.Tensor:
+    """The outputs of row chunks (`length_sorted_chunks`), each padded on the right to `width` along dimension 1
+    with `value`, stacked, and put back in the rows' order.
+
+    Args:
+        parts: per chunk a (n_i, w_i, ...) tensor, w_i <= width, its rows those of `chunks[i]` in that order.
+        chunks: the chunks' row indices, together every row 0..B-1 once.
+
+    Returns:
+        (B, width, ...): row b is the output of row b.
+
+    >>> rejoin_chunks([torch.tensor([[7]]), torch.tensor([[5, 6]])], [torch.tensor([1]), torch.tensor([0])], 2)
+    tensor([[5, 6],
+            [7, 0]])
+    """
+    tail = (0, 0) * (parts[0].dim() - 2)  # F.pad pads the last dimension first: leave those after dimension 1
+    padded = [torch.nn.functional.pad(part, tail + (0, width - part.shape[1]), value=value) for part in parts]
+    return torch.cat(padded)[torch.argsort(torch.cat(chunks))]

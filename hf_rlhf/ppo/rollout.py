@@ -19,7 +19,7 @@ from ..generation import GenerationOutput, build_engine
 from ..reward_models import unwrap_peft
 from ..rewards.base import RewardError, check_scores
 from ..tensors import (first_true_indices, left_padding, length_sorted_chunks, logprobs_from_logits,
-                       padding_bounds)
+                       padding_bounds, rejoin_chunks)
 from .critic_free import informative_groups, truncated_loss_mask
 from .estimators import estimate_advantages
 from .experience import Experience
@@ -289,14 +289,10 @@ class RolloutMaker:
                     chunks.append(self.engine.generate(unwrapped, query_ids[rows, start:], query_mask[rows, start:],
                                                        **kwargs))
                 width = max(chunk.response_ids.shape[1] for chunk in chunks)
-                back = torch.argsort(torch.cat(order))  # the chunks' rows back in the caller's order
 
-                def joined(name, value):  # chunks padded on the right to the widest, stacked, rows put back
+                def joined(name, value):  # (B, N) or (B, N, H), rows in the caller's order
                     parts = [getattr(chunk, name) for chunk in chunks]
-                    if any(part is None for part in parts):
-                        return None
-                    tail = (0, 0) * (parts[0].dim() - 2)  # (B, N) or (B, N, H): pad dimension 1
-                    return torch.cat([F.pad(p, tail + (0, width - p.shape[1]), value=value) for p in parts])[back]
+                    return None if any(part is None for part in parts) else rejoin_chunks(parts, order, width, value)
 
                 return GenerationOutput(joined("response_ids", pad), joined("logprobs", 0.0), joined("hidden", 0.0))
 
@@ -354,12 +350,8 @@ class RolloutMaker:
                 continue
             ref_logits = self._reference_logits(model.policy, part)
             ref_logprobs.append(logprobs_from_logits(ref_logits, part[2]))
-        back = torch.argsort(torch.cat(order))
-
-        def joined(parts):  # zeros past each chunk's width (after every row's end), rows in the caller's order
-            return torch.cat([F.pad(p, (0, width - p.shape[1])) for p in parts])[back]
-
-        return joined(logprobs), joined(values), joined(ref_logprobs)
+        # zeros past each chunk's width (after every row's end), rows in the caller's order
+        return tuple(rejoin_chunks(parts, order, width) for parts in (logprobs, values, ref_logprobs))
 
     def _row_chunks(self, query_mask) -> list[torch.LongTensor]:
         """The rows of a rollout forward or generation call in chunks of `local_rollout_forward_batch_size`: with

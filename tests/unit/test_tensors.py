@@ -21,6 +21,7 @@ from hf_rlhf.tensors import (
     masked_var,
     masked_whiten,
     padding_bounds,
+    rejoin_chunks,
 )
 
 X = torch.tensor([1.0, 2.0, 3.0, 100.0])
@@ -136,6 +137,16 @@ def test_length_sorted_chunks_cover_every_row_once_in_length_order():
     assert [c.tolist() for c in chunks] == [[6, 1, 3], [0, 5, 4], [2]]  # ties (2, 2 and 5, 5) keep row order
     assert sorted(torch.cat(chunks).tolist()) == list(range(7))
     assert [c.tolist() for c in length_sorted_chunks(lengths, 10)] == [[6, 1, 3, 0, 5, 4, 2]]
+
+
+def test_rejoin_chunks_pads_to_the_width_and_puts_rows_back():
+    chunks = [torch.tensor([2, 0]), torch.tensor([1])]
+    parts = [torch.tensor([[1.0], [2.0]]), torch.tensor([[3.0, 4.0]])]  # rows 2, 0 (width 1), then row 1 (width 2)
+    assert rejoin_chunks(parts, chunks, 3, value=-1.0).tolist() == [[2.0, -1.0, -1.0], [3.0, 4.0, -1.0],
+                                                                     [1.0, -1.0, -1.0]]
+    hidden = [torch.ones(2, 1, 4), torch.full((1, 2, 4), 5.0)]  # (n, w, H): dimension 1 padded, H kept
+    out = rejoin_chunks(hidden, chunks, 2)
+    assert out.shape == (3, 2, 4) and out[1].eq(5.0).all() and out[0, 1].eq(0).all() and out[2, 0].eq(1).all()
 
 
 def test_pure_math_imports_torch_only():
