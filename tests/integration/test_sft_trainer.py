@@ -290,3 +290,28 @@ def test_sharegpt_rows_train_as_their_chatml_rows(tmp_path, tokenizer):
     assert ours.train_dataset["input_ids"] == theirs.train_dataset["input_ids"]
     assert ours.evaluate(eval_dataset=sharegpt)["eval_loss"] == pytest.approx(
         ours.evaluate(eval_dataset=chatml)["eval_loss"], abs=1e-6)
+
+
+
+def test_compiled_toy_sft_batches_all_have_one_shape(tmp_path):
+    """The README's compiled toy SFT (`--torch_compile true --pad_to_multiple_of 128 --dataloader_drop_last true`):
+    every batch, the last of each epoch included, has the one shape inductor compiled for; a new width or batch
+    size compiles again (30-40 s each here, three times over a toy run without the two options). The toy config as
+    shipped (no padding to a fixed width, a short last batch) gives several shapes from the same rows."""
+    from recipes import sft
+
+    def shapes(*options):
+        script_args, model_config, args = sft.parse_recipe_args(
+            (sft.ScriptArguments, ModelConfig, SFTConfig),
+            ["--toy_train_size", "1500", "--toy_model_size", "tiny", "--output_dir", str(tmp_path / "out"),
+             *options], sft.TOY_CONFIG)
+        train, _ = sft.toy_data(script_args)
+        model, tokenizer = sft.prepare_toy_base(model_config, args, "tiny", 0)
+        trainer = SFTTrainer(model, args=args, train_dataset=train, processing_class=tokenizer)
+        return args, [tuple(batch["input_ids"].shape) for batch in trainer.get_train_dataloader()]
+
+    args, fixed = shapes("--torch_compile", "true", "--pad_to_multiple_of", "128", "--dataloader_drop_last", "true")
+    assert args.torch_compile and args.packing
+    assert len(fixed) >= 5 and set(fixed) == {(args.per_device_train_batch_size, args.max_length)}
+    _, loose = shapes()
+    assert len(set(loose)) > 1 and len(loose) >= len(fixed)
