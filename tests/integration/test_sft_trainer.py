@@ -292,7 +292,6 @@ def test_sharegpt_rows_train_as_their_chatml_rows(tmp_path, tokenizer):
         ours.evaluate(eval_dataset=chatml)["eval_loss"], abs=1e-6)
 
 
-
 def test_compiled_toy_sft_batches_all_have_one_shape(tmp_path):
     """The README's compiled toy SFT (`--torch_compile true --pad_to_multiple_of 128 --dataloader_drop_last true`):
     every batch, the last of each epoch included, has the one shape inductor compiled for; a new width or batch
