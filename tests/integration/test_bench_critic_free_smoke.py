@@ -35,10 +35,14 @@ def test_critic_free_bench_quick(tmp_path):
         assert run["episodes"] == settings["steps"] * settings["micro"] * settings["grad_accum"], name
         assert run["optimizer_steps"] == settings["steps"], name
         assert run["episodes_per_s"] > 0 and run["peak_rss_mb"] >= run["rss_after_import_mb"] > 0, name
+        assert run["steady_episodes_per_s"] > 0, name  # steps 2..N (the quick preset has 2)
         assert run["phases"]["seconds"]["generate"] > 0, name
         assert run["memory"]["weights/reference"] > 0, name  # both hold a reference (β > 0)
     ratio = results["summary"]["hf_rlhf_grpo"]["median_ratio_episodes_per_s"]
     assert ratio == pytest.approx(runs["hf_rlhf_grpo"]["episodes_per_s"] / runs["trl_grpo"]["episodes_per_s"])
+    steady = results["summary"]["hf_rlhf_grpo"]["median_ratio_steady_episodes_per_s"]
+    assert steady == pytest.approx(runs["hf_rlhf_grpo"]["steady_episodes_per_s"]
+                                   / runs["trl_grpo"]["steady_episodes_per_s"])
     assert "| config | median episodes/s | median peak RSS MB |" in done.stdout
     assert "Reproduce: `python bench/critic_free.py --quick" in done.stdout
 
@@ -89,3 +93,16 @@ def test_every_configurations_options_are_ppo_options(tmp_path):
         assert name in bench.CONFIGS and bench.REFERENCE[name] == "trl_grpo"
         args = PPOConfig(output_dir=str(tmp_path), report_to="none", **options)
         assert all(getattr(args, key) == value for key, value in options.items()), name
+
+
+def test_steady_rate_counts_steps_after_the_first():
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from critic_free import steady_rate
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    points = [{"when": "before_train", "time": 0.0}, {"when": 1, "time": 2.0}, {"when": 2, "time": 3.0},
+              {"when": 3, "time": 5.0}]
+    # 30 episodes in 3 steps: steps 2 and 3 (20 episodes) from t=2 to t=5
+    assert steady_rate(30, points) == pytest.approx(20 / 3)
+    assert steady_rate(10, points[:2]) is None  # one step: no interval after it
