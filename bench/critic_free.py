@@ -22,9 +22,10 @@ Episodes (completions generated) and optimizer steps are counted in every run an
 episodes/s = completions generated / wall time of `trainer.train()` (episodes/CPU-s: / its CPU time, one thread,
 steadier than wall time on a loaded machine). Steady episodes/s = the completions of steps 2..N / the wall time from
 the end of step 1 to the end of step N: the rate a long run trains at, without what `train()` pays once (accelerate's
-`free_memory()` gc.collect, the first step's warm-up), which weighs ~10 % in these 12-step runs on both sides. Peak RSS = the worker's high-water mark at the
-end (VmHWM). Each run also times where `train()` went (bench/ppo.py's `PhaseTimer`: generation, forwards by model,
-backward, optimizer, gc) and counts the bytes of weights, trainable parameters and optimizer state.
+`free_memory()` gc.collect, the first step's warm-up), which weighs ~10 % in these 12-step runs on both sides.
+Peak RSS = the worker's high-water mark at the end (VmHWM). Each run also times where `train()` went (bench/ppo.py's
+`PhaseTimer`: generation, forwards by model, backward, optimizer, gc) and counts the bytes of weights, trainable
+parameters and optimizer state.
 
 The value group (`--configs value`) measures what the critic-free estimators save: hf_rlhf REINFORCE++ (no value
 function) against PPO/GAE with a value head on the policy backbone and with a separate value model, on the same

@@ -17,6 +17,27 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "critic_free.py"
 CONFIGS = ["hf_rlhf_grpo", "trl_grpo"]
 
 
+def load_bench():
+    """bench/critic_free.py as a module. It imports its neighbours as `harness` and `ppo`: whatever those names were
+    is put back (a recipe's `ppo` imported by another test must not be shadowed by the bench's, nor the other way
+    round)."""
+    import importlib.util
+
+    saved = {name: sys.modules.pop(name, None) for name in ("harness", "ppo")}
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("critic_free_bench", BENCH)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(BENCH.parent))
+        for name, module in saved.items():
+            sys.modules.pop(name, None)
+            if module is not None:
+                sys.modules[name] = module
+    return bench
+
+
 def test_critic_free_bench_quick(tmp_path):
     output = tmp_path / "critic_free.json"
     done = subprocess.run(
@@ -70,24 +91,9 @@ def test_critic_free_bench_long_prompts_beta_zero(tmp_path):
 def test_every_configurations_options_are_ppo_options(tmp_path):
     """The hf_rlhf configurations that differ by options (`OPTIONS`: prefix_sharing, group_by_length off) pass
     options that PPOConfig takes and keeps (a renamed option would stop the bench only after minutes of others)."""
-    import importlib.util
-
     from hf_rlhf.ppo.config import PPOConfig
 
-    # critic_free imports its neighbours as `harness` and `ppo`: put back whatever those names were (a recipe's
-    # `ppo` imported by another test must not be shadowed by the bench's, nor the other way round)
-    saved = {name: sys.modules.pop(name, None) for name in ("harness", "ppo")}
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("critic_free_bench", BENCH)
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(BENCH.parent))
-        for name, module in saved.items():
-            sys.modules.pop(name, None)
-            if module is not None:
-                sys.modules[name] = module
+    bench = load_bench()
     assert set(bench.OPTIONS) == {"hf_rlhf_grpo_unshared", "hf_rlhf_grpo_ungrouped"}
     for name, options in bench.OPTIONS.items():
         assert name in bench.CONFIGS and bench.REFERENCE[name] == "trl_grpo"
@@ -96,11 +102,7 @@ def test_every_configurations_options_are_ppo_options(tmp_path):
 
 
 def test_steady_rate_counts_steps_after_the_first():
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        from critic_free import steady_rate
-    finally:
-        sys.path.remove(str(BENCH.parent))
+    steady_rate = load_bench().steady_rate
     points = [{"when": "before_train", "time": 0.0}, {"when": 1, "time": 2.0}, {"when": 2, "time": 3.0},
               {"when": 3, "time": 5.0}]
     # 30 episodes in 3 steps: steps 2 and 3 (20 episodes) from t=2 to t=5
