@@ -193,7 +193,8 @@ def steady_rate(episodes: int, points: list[dict]) -> float | None:
 
 class MemoryTimeline:
     """Peak and current RSS (MB) and the count of imported modules before training and after each optimizer step:
-    whether the peak comes from one-time costs of the first step (lazy imports, allocator growth) or grows later."""
+    whether the peak comes from one-time costs of the first step (lazy imports, allocator growth) or grows later.
+    Each point also holds its `time.perf_counter()`, from which `steady_rate` reads the steps' ends."""
 
     def __init__(self):
         self.points = []
