@@ -2,8 +2,10 @@
 `recipes/accelerate/`: each trainer's per-step losses equal a single-process run on the same global batch, the saved
 outputs reload in one process, and per-rank state (KL coefficient, files) is what it must be.
 
-Each run is `tests/distributed/worker.py` in a subprocess (see its docstring); the single-process reference is the
-same worker run with plain `python`, without DeepSpeed. Tolerance 1e-4 on the losses, and on logits of the reloaded
+Each engine's runs are one `tests/distributed/worker.py` launch in a subprocess, its tasks one after another in the
+same processes (`LAUNCHES`; the worker's docstring): a launch's start is paid once per engine, not once per task (the
+module took ~7 min instead of ~20 on 2 cores; a task's losses are bit-identical to a launch of that task alone). The
+single-process reference is the same worker run with plain `python`, without DeepSpeed. Tolerance 1e-4 on the losses, and on logits of the reloaded
 models: the runs are deterministic (fp32, no dropout, fixed seeds, greedy PPO rollouts), and the only difference
 left is the order of floating-point sums (gradients all-reduced over 2 ranks, each rank's micro-batches padded to
 its own longest row); the differences measured are ~5e-7.
@@ -24,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.distributed, pytest.mark.integration, pytest.mark.slow]  # every test launches 2 processes
+# every test launches 2 processes; the first test of an engine waits for all of that engine's tasks (LAUNCHES)
+pytestmark = [pytest.mark.distributed, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "worker.py"
@@ -89,26 +92,47 @@ def launch_cmd(engine: str | None, *worker_args: str) -> list[str]:
             *worker_args]
 
 
+# what each launch trains: worker.py runs a launch's tasks in turn in one pair of processes (one process for the
+# single-process references, engine None), so a launch's start (~20 s of imports and set-up) is paid once per engine
+LAUNCHES = {
+    None: (*TASKS, "dpo_lora", "grpo_tools"),
+    "ddp": (*TASKS, "dpo_lora", "grpo_dynamic", "grpo_tools"),
+    "deepspeed_zero2": TASKS,
+    "deepspeed_zero3": (*TASKS, "dpo_lora", "grpo_dynamic", "grpo_tools", "ppo@lean"),
+}
+
+
 class Runs:
-    """Launch each (engine, task) once per session; engine None is the single-process reference."""
+    """Launch each engine's tasks (`LAUNCHES`) once per session; engine None is the single-process reference."""
 
     def __init__(self, root: Path):
-        self.root, self.done = root, {}
+        self.root, self.launched, self.done = root, {}, {}
 
     def get(self, engine: str | None, task: str, backend: str = "generate") -> dict:
-        key = (engine, task, backend)
+        spec = task if backend == "generate" else f"{task}@{backend}"
+        assert spec in LAUNCHES[engine], f"{spec} is not in LAUNCHES[{engine!r}]"
+        if engine not in self.launched:
+            self.launched[engine] = self.launch(engine)
+        key = (engine, spec)
         if key not in self.done:
-            out = self.root / f"{engine or 'single'}-{task}{'' if backend == 'generate' else '-' + backend}"
-            extra = ["--policy_path", self.policy_dir()] if task in (*PPO_TASKS, "grpo_dynamic", "grpo_tools") else []
-            extra += [] if backend == "generate" else ["--generation_backend", backend]
-            wall = run(launch_cmd(engine, "--task", task, "--out", str(out), "--steps", str(STEPS),
-                                  "--global_batch", str(GLOBAL_BATCH), *extra), out)
-            result = {"out": out, "wall_s": wall, **json.loads((out / "losses.json").read_text())}
+            out = self.root / (engine or "single") / spec.replace("@", "-")
+            if not (out / "losses.json").is_file():  # the launch stopped before this task ended
+                pytest.fail(f"{spec} under {engine or 'one process'} did not finish:\n{self.launched[engine]}")
+            result = {"out": out, **json.loads((out / "losses.json").read_text())}
             result["ranks"] = [json.loads((out / f"rank{r}.json").read_text())
                                for r in range(result["world_size"])]
             self.done[key] = result
         return self.done[key]
 
+    def launch(self, engine: str | None) -> str:
+        """Run the engine's tasks; "" when every task ended, else the end of the launch's log."""
+        out = self.root / (engine or "single")
+        try:
+            run(launch_cmd(engine, "--task", ",".join(LAUNCHES[engine]), "--out", str(out), "--steps", str(STEPS),
+                           "--global_batch", str(GLOBAL_BATCH), "--policy_path", self.policy_dir()), out, timeout=1500)
+        except AssertionError as failed:
+            return str(failed)
+        return ""
 
     def policy_dir(self) -> str:
         """The toy policy saved once: PPO loads it by path, so ZeRO-3 shards it while loading (zero.Init)."""

@@ -1,26 +1,32 @@
-"""One tiny training run for the distributed tests, launched by `torchrun` / `accelerate launch` (or plain python).
+"""Tiny training runs for the distributed tests, launched by `torchrun` / `accelerate launch` (or plain python).
 
-    python tests/distributed/worker.py --task {sft,sft_lora,reward,dpo,dpo_lora,ppo,grpo,rloo,reinforce_pp,grpo_dynamic,grpo_tools} --out DIR
-        [--steps 4]
-        [--global_batch 8] [--generation_backend generate]
+    python tests/distributed/worker.py --task TASK[,TASK...] --out DIR [--steps 4] [--global_batch 8]
+        TASK: sft, sft_lora, reward, dpo, dpo_lora, ppo, grpo, rloo, reinforce_pp, grpo_dynamic or grpo_tools,
+        optionally ending in @<generation_backend> (PPO tasks; default generate), e.g. ppo@lean
     python tests/distributed/worker.py --recipe ppo --out DIR <recipe options>   # records who writes what
 
-The same global batch in every launch: each of the W processes takes `global_batch / W` rows per step (the PPO
-rollout: `global_batch / W` prompts per rank). Everything is deterministic: fp32, dropout 0 (the toy models have
-none), fixed seeds, and greedy generation in PPO (sampled responses would depend on how the prompts are split over
-the ranks' random generators). Writes:
+Several tasks run one after another in the same processes (a launch's start, ~20 s of imports and process-group
+set-up on 2 cores, is paid once for all of them); each builds its own models, config and trainer, and the previous
+trainer is released first (its DeepSpeed engine and ZeRO-3 config with it). The same global batch in every launch:
+each of the W processes takes `global_batch / W` rows per step (the PPO rollout: `global_batch / W` prompts per
+rank). Everything is deterministic: fp32, dropout 0 (the toy models have none), fixed seeds, and greedy generation
+in PPO (sampled responses would depend on how the prompts are split over the ranks' random generators). Writes, per
+task, under DIR/<task> (DIR/<task>-<backend> for another backend):
 
-  DIR/losses.json     rank 0: {"loss": [per optimizer step], "log_history": [...], "world_size": W}
-  DIR/rank<r>.json    every rank: {"kl_coef": β at the end (PPO), "writes": [files this rank opened for writing]}
-  DIR/out/            the saved model (trainer.save_model), then plots / completions / trainer_state.json (rank 0)
+  losses.json     rank 0: {"loss": [per optimizer step], "log_history": [...], "world_size": W,
+                  "wall_s": the task's seconds}
+  rank<r>.json    every rank: {"kl_coef": β at the end (PPO), "writes": [files this rank opened for writing]}
+  out/            the saved model (trainer.save_model), then plots / completions / trainer_state.json (rank 0)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -50,34 +56,38 @@ def has_a_one(prompts, completions, **kwargs):
     return [float("1" in c) for c in completions]
 
 
-def record_writes(root: str) -> list[str]:
+class WriteRecorder:
     """Every file or directory under `root` this process opens for writing, renames or creates (an audit hook).
 
     Python's own `open`, `os.open`, `os.rename`/`os.replace` and `os.mkdir` raise audit events (PEP 578); writes
-    done in native code (safetensors) do not, but those go through the Trainer's `should_save` guard.
+    done in native code (safetensors) do not, but those go through the Trainer's `should_save` guard. An audit hook
+    cannot be removed: `start(root)` points the one hook at the next task's directory and empties `writes`.
     """
-    root = os.path.abspath(root)
-    writes: list[str] = []
+
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND
 
-    def under_root(path) -> str | None:
-        if isinstance(path, int) or path is None:
+    def __init__(self):
+        self.root, self.writes = None, []
+        sys.addaudithook(self.hook)
+
+    def start(self, root: str) -> None:
+        self.root, self.writes = os.path.abspath(root), []
+
+    def under_root(self, path) -> str | None:
+        if self.root is None or isinstance(path, int) or path is None:
             return None
         path = os.path.abspath(os.fsdecode(path))
-        return os.path.relpath(path, root) if path.startswith(root + os.sep) else None
+        return os.path.relpath(path, self.root) if path.startswith(self.root + os.sep) else None
 
-    def hook(event, args):
+    def hook(self, event, args):
         if event == "open":
             path, mode, flags = args
-            writing = any(c in (mode or "") for c in "wax+") or (mode is None and flags & write_flags)
-            if writing and (rel := under_root(path)) is not None:
-                writes.append(rel)
+            writing = any(c in (mode or "") for c in "wax+") or (mode is None and flags & self.write_flags)
+            if writing and (rel := self.under_root(path)) is not None:
+                self.writes.append(rel)
         elif event in ("os.rename", "os.mkdir"):
-            if (rel := under_root(args[1] if event == "os.rename" else args[0])) is not None:
-                writes.append(rel)
-
-    sys.addaudithook(hook)
-    return writes
+            if (rel := self.under_root(args[1] if event == "os.rename" else args[0])) is not None:
+                self.writes.append(rel)
 
 
 def digit_reward(prompts, completions, **kwargs):
@@ -225,45 +235,41 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
                                  SampleCompletionsCallback(["1+2=", "3*4="], max_new_tokens=4)])
 
 
-def run_recipe(name: str, out: str, recipe_argv: list[str], writes: list[str]) -> None:
+def run_recipe(name: str, out: str, recipe_argv: list[str], recorder: WriteRecorder) -> None:
     """`recipes/<name>.py`'s main(recipe_argv), then this rank's recorded writes into `out/rank<r>.json`."""
     import importlib
 
     from accelerate import PartialState
 
     # the launcher puts the repository root on PYTHONPATH (test_distributed.launch_env): recipes/ is a package there
+    recorder.start(out)
     results = importlib.import_module(f"recipes.{name}").main(recipe_argv)
     state = PartialState()
     state.wait_for_everyone()
-    recorded = sorted(set(writes))
+    recorded = sorted(set(recorder.writes))
     with open(os.path.join(out, f"rank{state.process_index}.json"), "w") as f:
         json.dump({"writes": recorded, "after": results.get("after", {})}, f)
     close_process_group()  # as the recipes end (run_recipe): no gloo abort at interpreter exit
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--task", choices=TASKS)
-    parser.add_argument("--recipe", choices=("sft", "reward", "ppo"), help="run this recipe; other options go to it")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--global_batch", type=int, default=8)
-    parser.add_argument("--policy_path", help="ppo: load the policy from this directory (else the toy model)")
-    parser.add_argument("--generation_backend", default="generate", help="PPO tasks: PPOConfig.generation_backend")
-    opts, rest = parser.parse_known_args(argv)
-    torch.set_num_threads(1)  # tiny matmuls: a second thread only spin-waits
-    writes = record_writes(opts.out)
-    if opts.recipe:
-        return run_recipe(opts.recipe, opts.out, rest, writes)
-    if opts.task is None or rest:
-        parser.error(f"give --task (unknown options: {rest})")
+def task_dir(spec: str) -> str:
+    """The directory name of a task spec: `ppo` -> ppo, `ppo@lean` -> ppo-lean."""
+    return spec.replace("@", "-")
 
+
+def run_task(spec: str, out: str, steps: int, global_batch: int, policy_path: str | None,
+             recorder: WriteRecorder) -> None:
+    """Train one task (`spec`: TASK or TASK@backend) into `out`, write its losses and per-rank records."""
+    task, _, backend = spec.partition("@")
+    if task not in TASKS:
+        raise SystemExit(f"unknown task {task!r} (choose from {', '.join(TASKS)})")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if opts.global_batch % world:
-        raise SystemExit(f"global_batch {opts.global_batch} is not divisible by {world} processes")
-    trainer = build_trainer(opts.task, os.path.join(opts.out, "out"), opts.steps, opts.global_batch // world,
-                            opts.policy_path, opts.generation_backend)
-    if opts.task == "grpo_dynamic":  # generation rounds of this rank (each rank must run as many as the others)
+    start = time.perf_counter()
+    os.makedirs(out, exist_ok=True)
+    recorder.start(out)
+    trainer = build_trainer(task, os.path.join(out, "out"), steps, global_batch // world, policy_path,
+                            backend or "generate")
+    if task == "grpo_dynamic":  # generation rounds of this rank (each rank must run as many as the others)
         trainer.generate_calls, sample = 0, trainer.rollout_maker._sample
 
         def counted(*args, **kwargs):
@@ -281,14 +287,51 @@ def main(argv=None) -> None:
     rank = trainer.args.process_index
     history = trainer.state.log_history
     if trainer.is_world_process_zero():
-        with open(os.path.join(opts.out, "losses.json"), "w") as f:
+        with open(os.path.join(out, "losses.json"), "w") as f:
             json.dump({"loss": [h["loss"] for h in history if "loss" in h], "log_history": history,
-                       "world_size": trainer.args.world_size}, f, indent=1)
+                       "world_size": trainer.args.world_size, "wall_s": time.perf_counter() - start}, f, indent=1)
     trainer.accelerator.wait_for_everyone()
-    recorded = sorted(set(writes))  # copied before this file is written (the hook keeps recording)
-    with open(os.path.join(opts.out, f"rank{rank}.json"), "w") as f:
+    recorded = sorted(set(recorder.writes))  # copied before this file is written (the hook keeps recording)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"kl_coef": kl.controller.value if kl is not None else None, "writes": recorded,
                    "generate_calls": getattr(trainer, "generate_calls", None)}, f)
+    release(trainer)
+
+
+def release(trainer) -> None:
+    """Let go of a finished trainer's state before the next task builds its models: its DeepSpeed engines, and the
+    ZeRO-3 config that `from_pretrained` and the toy builders would otherwise still see (its weak reference keeps
+    `zero.Init` on while anything holds the old arguments). The caller then drops the trainer."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    trainer.accelerator.free_memory()
+    unset_hf_deepspeed_config()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--task", help="TASK or TASK@backend, or several separated by commas (run in turn)")
+    parser.add_argument("--recipe", choices=("sft", "reward", "ppo"), help="run this recipe; other options go to it")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--global_batch", type=int, default=8)
+    parser.add_argument("--policy_path", help="PPO tasks: load the policy from this directory (else the toy model)")
+    opts, rest = parser.parse_known_args(argv)
+    torch.set_num_threads(1)  # tiny matmuls: a second thread only spin-waits
+    recorder = WriteRecorder()
+    if opts.recipe:
+        return run_recipe(opts.recipe, opts.out, rest, recorder)
+    if opts.task is None or rest:
+        parser.error(f"give --task (unknown options: {rest})")
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if opts.global_batch % world:
+        raise SystemExit(f"global_batch {opts.global_batch} is not divisible by {world} processes")
+    for spec in opts.task.split(","):
+        run_task(spec, os.path.join(opts.out, task_dir(spec)), opts.steps, opts.global_batch, opts.policy_path,
+                 recorder)
+        gc.collect()  # the finished trainer, its models and engines
+        print(f"[worker] {spec} done", flush=True)
     close_process_group()
 
 
