@@ -27,7 +27,7 @@ import pytest
 import torch
 
 # every test launches 2 processes; the first test of an engine waits for all of that engine's tasks (LAUNCHES)
-pytestmark = [pytest.mark.distributed, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.distributed, pytest.mark.integration, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "worker.py"

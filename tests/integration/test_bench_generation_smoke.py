@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+# a benchmark's smoke run (worker subprocesses, ~55 s on 2 cores): not in the README's test command
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "generation.py"

@@ -32,7 +32,6 @@ def tiny_sft_config(tmp_path):
     return str(path)
 
 
-@pytest.mark.slow
 def test_toy_recipe_builds_the_policy_trains_and_reports(tmp_path, capsys):
     out, sft = tmp_path / "ppo", tmp_path / "sft"
     argv = ["--config", os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml"), "--output_dir", str(out),

@@ -45,7 +45,6 @@ def test_lean_greedy_and_sampled_tokens_equal_generate(model_type):
     assert torch.equal(*sampled)
 
 
-@pytest.mark.slow
 def test_compiled_static_cache_on_llama_compiles_once_per_bucket_and_reads_new_weights():
     model = build("llama")
     static, reference = build_engine("static", bucket=16), build_engine("generate")
