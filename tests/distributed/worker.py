@@ -229,8 +229,8 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
         from transformers import LogitsProcessorList
 
         args.generation_kwargs["logits_processor"] = LogitsProcessorList([SecondChoiceOnOddRows()])
-    return PPOTrainer(model, has_a_one if task == "grpo_dynamic" else digit_reward, args=args, train_dataset=prompt_dataset(64, seed=0),
-                      processing_class=tokenizer,
+    return PPOTrainer(model, has_a_one if task == "grpo_dynamic" else digit_reward, args=args,
+                      train_dataset=prompt_dataset(64, seed=0), processing_class=tokenizer,
                       callbacks=[PlotCallback(["objective/kl", "objective/kl_coef"], filename="ppo_curves.png"),
                                  SampleCompletionsCallback(["1+2=", "3*4="], max_new_tokens=4)])
 
@@ -261,8 +261,6 @@ def run_task(spec: str, out: str, steps: int, global_batch: int, policy_path: st
              recorder: WriteRecorder) -> None:
     """Train one task (`spec`: TASK or TASK@backend) into `out`, write its losses and per-rank records."""
     task, _, backend = spec.partition("@")
-    if task not in TASKS:
-        raise SystemExit(f"unknown task {task!r} (choose from {', '.join(TASKS)})")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     start = time.perf_counter()
     os.makedirs(out, exist_ok=True)
@@ -327,7 +325,11 @@ def main(argv=None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if opts.global_batch % world:
         raise SystemExit(f"global_batch {opts.global_batch} is not divisible by {world} processes")
-    for spec in opts.task.split(","):
+    specs = opts.task.split(",")
+    unknown = [spec for spec in specs if spec.partition("@")[0] not in TASKS]
+    if unknown:  # before any task runs
+        parser.error(f"unknown tasks {unknown} (choose from {', '.join(TASKS)}, each optionally @<backend>)")
+    for spec in specs:
         run_task(spec, os.path.join(opts.out, task_dir(spec)), opts.steps, opts.global_batch, opts.policy_path,
                  recorder)
         gc.collect()  # the finished trainer, its models and engines

@@ -38,7 +38,7 @@ def load_bench():
     return bench
 
 
-@pytest.mark.slow  # a benchmark's smoke run (worker subprocesses, ~35-80 s on 2 cores): not in the README's test command
+@pytest.mark.slow  # a benchmark's smoke run (worker subprocesses, 35-80 s): not in the README's test command
 def test_critic_free_bench_quick(tmp_path):
     output = tmp_path / "critic_free.json"
     done = subprocess.run(
@@ -69,7 +69,7 @@ def test_critic_free_bench_quick(tmp_path):
     assert "Reproduce: `python bench/critic_free.py --quick" in done.stdout
 
 
-@pytest.mark.slow  # a benchmark's smoke run (worker subprocesses, ~35-80 s on 2 cores): not in the README's test command
+@pytest.mark.slow  # a benchmark's smoke run (worker subprocesses, 35-80 s): not in the README's test command
 def test_critic_free_bench_long_prompts_beta_zero(tmp_path):
     """`--prompts long --grpo_beta 0` (TRL 1.16's default β): no reference on either side, the long prompts reach
     both trainers, and hf_rlhf's prompt sharing can be switched off (`hf_rlhf_grpo_unshared`)."""

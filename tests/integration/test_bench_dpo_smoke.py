@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "dpo.py"
 
 
-@pytest.mark.slow  # a benchmark's smoke run (four worker subprocesses, ~35-80 s on 2 cores): not in the README's test command
+@pytest.mark.slow  # a benchmark's smoke run (4 worker subprocesses, 35-80 s): not in the README's test command
 def test_dpo_bench_quick(tmp_path):
     output = tmp_path / "dpo.json"
     done = subprocess.run([sys.executable, str(BENCH), "--quick", "--repeats", "1", "--output", str(output)],

@@ -17,7 +17,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "ppo.py"
 CONFIGS = ["hf_rlhf_one_base", "hf_rlhf_value_head_forward"]
 
 
-@pytest.mark.slow  # a benchmark's smoke run (worker subprocesses, ~35-80 s on 2 cores): not in the README's test command
+@pytest.mark.slow  # a benchmark's smoke run (worker subprocesses, 35-80 s): not in the README's test command
 def test_ppo_bench_quick(tmp_path):
     output = tmp_path / "ppo.json"
     # the parent builds and saves the models, then one worker subprocess runs: ~15 s idle, ~45 s on a busy box

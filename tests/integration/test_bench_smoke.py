@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "sft_packing.py"
 
 
-@pytest.mark.slow  # a benchmark's smoke run (worker subprocesses, ~35-80 s on 2 cores): not in the README's test command
+@pytest.mark.slow  # a benchmark's smoke run (worker subprocesses, 35-80 s): not in the README's test command
 def test_sft_packing_bench_quick(tmp_path):
     output = tmp_path / "sft_packing.json"
     # three worker subprocesses, each importing torch/transformers/trl: ~25 s idle, ~50 s on a busy 2-core box

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "tools_toy.py"
 
 
-@pytest.mark.slow  # a benchmark's smoke run (SFT 4 steps, one RL step with tools, ~30-60 s): not in the README's test command
+@pytest.mark.slow  # a benchmark's smoke run (SFT 4 steps, 1 RL step with tools, 30-60 s): not in the test command
 def test_tools_toy_bench_tiny(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(BENCH.parents[1]))
     done = subprocess.run([sys.executable, str(BENCH), "--model_size", "tiny", "--sft_examples", "32", "--sft_steps",
