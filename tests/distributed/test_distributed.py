@@ -115,7 +115,7 @@ class Runs:
             self.launched[engine] = self.launch(engine)
         key = (engine, spec)
         if key not in self.done:
-            out = self.root / (engine or "single") / spec.replace("@", "-")
+            out = self.root / (engine or "single") / spec
             if not (out / "rank0.json").is_file():  # the launch stopped before this task ended (written last)
                 pytest.fail(f"{spec} under {engine or 'one process'} did not finish:\n{self.launched[engine]}")
             result = {"out": out, **json.loads((out / "losses.json").read_text())}

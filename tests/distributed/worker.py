@@ -11,7 +11,7 @@ trainer is released first (its DeepSpeed engine and ZeRO-3 config with it). The 
 each of the W processes takes `global_batch / W` rows per step (the PPO rollout: `global_batch / W` prompts per
 rank). Everything is deterministic: fp32, dropout 0 (the toy models have none), fixed seeds, and greedy generation
 in PPO (sampled responses would depend on how the prompts are split over the ranks' random generators). Writes, per
-task, under DIR/<task> (DIR/<task>-<backend> for another backend):
+task, under DIR/<task> (e.g. DIR/ppo@lean):
 
   losses.json     rank 0: {"loss": [per optimizer step], "log_history": [...], "world_size": W,
                   "wall_s": the task's seconds}
@@ -252,11 +252,6 @@ def run_recipe(name: str, out: str, recipe_argv: list[str], recorder: WriteRecor
     close_process_group()  # as the recipes end (run_recipe): no gloo abort at interpreter exit
 
 
-def task_dir(spec: str) -> str:
-    """The directory name of a task spec: `ppo` -> ppo, `ppo@lean` -> ppo-lean."""
-    return spec.replace("@", "-")
-
-
 def run_task(spec: str, out: str, steps: int, global_batch: int, policy_path: str | None,
              recorder: WriteRecorder) -> None:
     """Train one task (`spec`: TASK or TASK@backend) into `out`, write its losses and per-rank records."""
@@ -330,7 +325,7 @@ def main(argv=None) -> None:
     if unknown:  # before any task runs
         parser.error(f"unknown tasks {unknown} (choose from {', '.join(TASKS)}, each optionally @<backend>)")
     for spec in specs:
-        run_task(spec, os.path.join(opts.out, task_dir(spec)), opts.steps, opts.global_batch, opts.policy_path,
+        run_task(spec, os.path.join(opts.out, spec), opts.steps, opts.global_batch, opts.policy_path,
                  recorder)
         gc.collect()  # the finished trainer, its models and engines
         print(f"[worker] {spec} done", flush=True)
