@@ -2,9 +2,10 @@
 
 The recipes call three things here: `is_toy_run` (the one place that decides it), `prepare_toy_base` (a fresh toy
 model for the SFT and reward recipes) and `toy_chain` (the PPO recipe's prompts, ground-truth check, and its
-prerequisites: a missing SFT policy or reward model is built first by running that recipe in a subprocess). The
-PPO recipe has two toy tasks (`toy_task`): the arithmetic of `hf_rlhf.toy.tasks`, and the tool task of
-`hf_rlhf.toy.tool_task` (arithmetic with a calculator the policy calls; the tool itself is the recipe's `--tools`).
+prerequisites: a missing SFT policy or reward model is built first by running that recipe, in this process or, under
+a multi-process launch, in a single-process child). The PPO recipe has two toy tasks (`toy_task`): the arithmetic of
+`hf_rlhf.toy.tasks`, and the tool task of `hf_rlhf.toy.tool_task` (arithmetic with a calculator the policy calls; the
+tool itself is the recipe's `--tools`).
 """
 
 from __future__ import annotations
@@ -143,31 +144,73 @@ def is_model_dir(path: str) -> bool:
         os.path.join(path, "adapter_config.json"))
 
 
-def build_environment(environ: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
-    """The environment of a single-process recipe run started from this process.
+def build_thread_count(threads: int | None = None) -> int:
+    """Torch threads of a single-process build: `threads`, else every core this process may run on.
 
-    `accelerate launch` sets OMP_NUM_THREADS=1 in every process it starts, a single one included. On a free 2-core
+    `accelerate launch` sets OMP_NUM_THREADS=1 in every process it starts, a single one included; on a free 2-core
     machine the SFT build (packed batches of 8 x 128 tokens) runs about 1.5x faster on both cores (304 s -> 207 s
-    measured), so a single-process launch's child gets `threads`, by default every core this process may run on: not
-    the cores free at the moment, since the built model depends on the thread count (float sums) and must not depend
-    on the machine's load. Under a multi-process launch the other ranks hold the cores: the child keeps the
-    launcher's threads. Variables of a launch's process group are removed: the child is a run of its own.
+    measured). Every core, not the cores free at the moment: the built model may depend on the thread count (float
+    sums) and must not depend on the machine's load.
     """
+    if threads is not None:
+        return threads
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def build_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a recipe run started as a child of a rank of a multi-process launch: the launch's process
+    group variables removed (the child is a run of its own), the launcher's threads kept (the other ranks hold the
+    other cores)."""
     env = dict(os.environ if environ is None else environ)
-    if int(env.get("WORLD_SIZE", "1")) == 1:
-        if threads is None:
-            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        env["OMP_NUM_THREADS"] = str(threads)
     for name in DISTRIBUTED_ENV:
         env.pop(name, None)
     return env
 
 
+def run_recipe_here(script: str, argv: list[str], threads: int) -> None:
+    """Run the recipe file `script`'s `main(argv)` in this process, on `threads` torch threads (restored after).
+
+    The same model as a child process started with OMP_NUM_THREADS=`threads` would build, bit for bit
+    (tests/integration/test_cli.py), without the child's start: its imports alone (`transformers.trainer`, peft,
+    bitsandbytes) take ~15 s on 2 CPU cores. Every random stream the recipe uses is seeded by the recipe itself
+    (the toy model's init under a forked RNG, the Trainer's `set_seed`).
+
+    Raises:
+        RuntimeError: the recipe exited with a non-zero status (with its message).
+    """
+    import gc
+    import importlib.util
+
+    import torch
+
+    name = os.path.splitext(os.path.basename(script))[0]
+    spec = importlib.util.spec_from_file_location(f"hf_rlhf_toy_build_{name}", script)
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # its dataclasses look their module up
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        spec.loader.exec_module(recipe)
+        recipe.main(list(argv))
+    except SystemExit as e:  # a recipe's own exit (a non-finite stop: its message)
+        if e.code not in (None, 0):
+            raise RuntimeError(f"building a toy prerequisite failed ({e.code}): {script} {' '.join(argv)}") from None
+    finally:
+        sys.modules.pop(spec.name, None)
+        torch.set_num_threads(previous)
+        gc.collect()  # the build's trainer, model and optimizer
+
+
 def build_with_recipe(script: str, argv: list[str], threads: int | None = None) -> None:
-    """Run the recipe `script` with `argv` in a single-process subprocess (on the main process of a launch only).
+    """Build a toy prerequisite with the recipe `script` and `argv`, as a single-process run.
+
+    A single-process run (`python recipes/ppo.py`, `accelerate launch` with one process) builds in its own process
+    (`run_recipe_here`) on `build_thread_count(threads)` threads. Under a multi-process launch the main process runs
+    it in a single-process child (`build_environment`: on the launcher's threads) while the other ranks wait, then
+    find the model built.
 
     Args:
-        threads: torch threads of the child (`build_environment`).
+        threads: torch threads of a single-process build (`build_thread_count`).
 
     Raises:
         RuntimeError: the recipe exited with a non-zero status.
@@ -175,9 +218,12 @@ def build_with_recipe(script: str, argv: list[str], threads: int | None = None) 
     from accelerate import PartialState
 
     state = PartialState()
+    if state.num_processes == 1:
+        run_recipe_here(script, argv, build_thread_count(threads))
+        return
     with state.main_process_first():  # the other ranks wait, then find the model built
         if state.is_main_process:
-            done = subprocess.run([sys.executable, script, *argv], env=build_environment(threads=threads))
+            done = subprocess.run([sys.executable, script, *argv], env=build_environment())
             if done.returncode != 0:
                 raise RuntimeError(f"building a toy prerequisite failed (exit {done.returncode}): "
                                    f"{sys.executable} {script} {' '.join(argv)}")

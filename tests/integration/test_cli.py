@@ -271,6 +271,24 @@ def tiny_config(tmp_path, name: str, **changes) -> str:
     return str(path)
 
 
+def test_a_build_in_this_process_is_the_recipes_own_run_bit_for_bit(tmp_path):
+    """A single-process chain builds a missing SFT policy in its own process (`build_with_recipe`), without a
+    child's start (~15 s of imports): the same model as the recipe run on its own on the same threads."""
+    import torch
+
+    from hf_rlhf.toy.chain import build_with_recipe
+
+    config = tiny_config(tmp_path, "sft", toy_train_size=64, max_steps=8)
+    script = os.path.join(ROOT, "recipes", "sft.py")
+    alone, here = tmp_path / "alone", tmp_path / "here"
+    subprocess.run([sys.executable, script, "--config", config, "--output_dir", str(alone)],
+                   env={**ENV, "OMP_NUM_THREADS": "2"}, check=True, capture_output=True)
+    build_with_recipe(script, ["--config", config, "--output_dir", str(here)], threads=2)
+    assert torch.get_num_threads() == 1  # this test's thread, restored
+    assert (here / "model.safetensors").read_bytes() == (alone / "model.safetensors").read_bytes()
+    assert read(here)["after"] == read(alone)["after"]
+
+
 def test_the_chain_builds_sft_and_reward_then_ppo_and_says_what_next(tmp_path, capsys):
     sft_dir, reward_dir, out = tmp_path / "sft", tmp_path / "reward", tmp_path / "ppo"
     argv = ["chain", "--sft_model_path", str(sft_dir), "--sft_config", tiny_config(tmp_path, "sft", toy_train_size=64),

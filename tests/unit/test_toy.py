@@ -1,6 +1,8 @@
 """The toy world: tasks, evaluator, tokenizer and tiny models."""
 
+import contextlib
 import json
+import os
 import random
 from types import SimpleNamespace
 
@@ -249,33 +251,70 @@ def test_check_answers_per_task_family():
         assert share == pytest.approx(sum(1 for i in mine if i % 3) / len(mine))
 
 
-def test_build_environment_gives_a_single_process_build_every_core_whatever_the_load(monkeypatch):
+def test_a_builds_child_leaves_the_launchs_process_group_and_keeps_its_threads():
     launched = {"OMP_NUM_THREADS": "1", "PATH": "/bin", "ACCELERATE_MIXED_PRECISION": "no"}
-    assert build_environment(launched, threads=3) == {**launched, "OMP_NUM_THREADS": "3"}
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    for load in (0.3, 5.0):  # the built model depends on the threads, never on the machine's load
-        monkeypatch.setattr("os.getloadavg", lambda load=load: (load, load, load))
-        assert build_environment(launched) == {**launched, "OMP_NUM_THREADS": "2"}
-    # under a multi-process launch the child keeps the launcher's threads and leaves its process group
     ranked = {**launched, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
-    assert build_environment(ranked, threads=2) == launched
+    assert build_environment(ranked) == launched
 
 
-def test_build_with_recipe_runs_a_subprocess_and_reports_failure(tmp_path, monkeypatch):
-    script = tmp_path / "recipe.py"
-    script.write_text("import json, os, sys\n"
-                      "json.dump({'argv': sys.argv[1:], 'omp': os.environ.get('OMP_NUM_THREADS')}, open(sys.argv[2], 'w'))\n"
-                      "sys.exit(3 if sys.argv[1] == 'fail' else 0)\n")
-    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+RECORDING_RECIPE = """import json, os, sys
+
+def main(argv):
+    import torch
+
+    if argv[0] == "stop":
+        raise SystemExit("[hf_rlhf] the loss went non-finite")
+    if argv[0] == "bad":
+        raise ValueError("a bad option")
+    json.dump({"argv": argv, "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+               "rank": os.environ.get("RANK"), "pid": os.getpid()}, open(argv[1], "w"))
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+"""
+
+
+def test_a_single_process_run_builds_here_on_every_core_and_reports_failure(tmp_path, monkeypatch):
+    script, seen = tmp_path / "recipe.py", tmp_path / "seen.json"
+    script.write_text(RECORDING_RECIPE)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
-    build_with_recipe(str(script), ["ok", str(tmp_path / "seen.json")])  # every core, not the launcher's 7
-    assert json.loads((tmp_path / "seen.json").read_text()) == {"argv": ["ok", str(tmp_path / "seen.json")],
-                                                               "omp": "3"}
-    build_with_recipe(str(script), ["ok", str(tmp_path / "seen.json")], threads=2)  # pinned
-    assert json.loads((tmp_path / "seen.json").read_text())["omp"] == "2"
-    with pytest.raises(RuntimeError, match="exit 3"):
-        build_with_recipe(str(script), ["fail", str(tmp_path / "seen.json")])
+    threads = torch.get_num_threads()
+    for load in (0.3, 5.0):  # every core, whatever this process runs on; never the machine's load
+        monkeypatch.setattr("os.getloadavg", lambda load=load: (load, load, load))
+        build_with_recipe(str(script), ["ok", str(seen)])
+    assert json.loads(seen.read_text()) == {"argv": ["ok", str(seen)], "threads": 3, "pid": os.getpid(),
+                                            "omp": os.environ.get("OMP_NUM_THREADS"), "rank": None}
+    assert torch.get_num_threads() == threads  # restored
+    build_with_recipe(str(script), ["ok", str(seen)], threads=2)  # pinned
+    assert json.loads(seen.read_text())["threads"] == 2
+    with pytest.raises(RuntimeError, match="the loss went non-finite"):  # the recipe's own exit
+        build_with_recipe(str(script), ["stop", str(seen)])
+    with pytest.raises(ValueError, match="a bad option"):  # reaches the recipe's one-line error as it is
+        build_with_recipe(str(script), ["bad", str(seen)])
+    assert torch.get_num_threads() == threads
+
+
+class TwoProcessState:
+    """accelerate's `PartialState` on the main process of a 2-process launch."""
+    num_processes, is_main_process = 2, True
+
+    def main_process_first(self):
+        return contextlib.nullcontext()
+
+
+def test_under_a_multi_process_launch_the_main_process_builds_in_a_child(tmp_path, monkeypatch):
+    script, seen = tmp_path / "recipe.py", tmp_path / "seen.json"
+    script.write_text(RECORDING_RECIPE)
+    monkeypatch.setattr("accelerate.PartialState", TwoProcessState)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(name, value)
+    build_with_recipe(str(script), ["ok", str(seen)], threads=2)
+    child = json.loads(seen.read_text())
+    # a run of its own (no RANK), on the launcher's threads (the other rank holds the other cores)
+    assert child["pid"] != os.getpid() and child["rank"] is None and child["omp"] == "1" and child["threads"] == 1
+    with pytest.raises(RuntimeError, match="exit 1"):
+        build_with_recipe(str(script), ["stop", str(seen)])
 
 
 def test_toy_chain_uses_models_it_finds(tmp_path, tiny_model_dir, capsys):
