@@ -44,16 +44,36 @@ def load_recipe(name: str):
     path = os.path.join(folder, f"{name}.py")
     if folder != CHECKOUT_RECIPES:
         return importlib.import_module(f"hf_rlhf.recipes.{name}")
-    for module_name in (f"recipes.{name}", f"_hf_rlhf_recipes.{name}"):
-        module = sys.modules.get(module_name)
-        if module is not None and os.path.abspath(getattr(module, "__file__", "")) == path:
-            return module
+    loaded = loaded_recipe(path)
+    if loaded is not None:
+        return loaded
     spec = importlib.util.find_spec("recipes") if "recipes" not in sys.modules else sys.modules["recipes"].__spec__
     if spec is not None and spec.submodule_search_locations and \
             os.path.abspath(list(spec.submodule_search_locations)[0]) == folder:
         return importlib.import_module(f"recipes.{name}")
-    module_name = f"_hf_rlhf_recipes.{name}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
+    return load_recipe_file(path)
+
+
+def loaded_recipe(path: str):
+    """The recipe module already imported from the file `path` (as `recipes.<name>` or `_hf_rlhf_recipes.<name>`),
+    or None."""
+    path = os.path.abspath(path)
+    name = os.path.splitext(os.path.basename(path))[0]
+    for module_name in (f"recipes.{name}", f"_hf_rlhf_recipes.{name}"):
+        module = sys.modules.get(module_name)
+        if module is not None and os.path.abspath(getattr(module, "__file__", "")) == path:
+            return module
+    return None
+
+
+def load_recipe_file(path: str):
+    """The recipe module of the file `path`, imported once (`loaded_recipe`, else loaded from the path as
+    `_hf_rlhf_recipes.<name>`)."""
+    loaded = loaded_recipe(path)
+    if loaded is not None:
+        return loaded
+    module_name = f"_hf_rlhf_recipes.{os.path.splitext(os.path.basename(path))[0]}"
+    spec = importlib.util.spec_from_file_location(module_name, os.path.abspath(path))
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)

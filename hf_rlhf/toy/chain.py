@@ -179,24 +179,20 @@ def run_recipe_here(script: str, argv: list[str], threads: int) -> None:
         RuntimeError: the recipe exited with a non-zero status (with its message).
     """
     import gc
-    import importlib.util
 
     import torch
 
-    name = os.path.splitext(os.path.basename(script))[0]
-    spec = importlib.util.spec_from_file_location(f"hf_rlhf_toy_build_{name}", script)
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = recipe  # its dataclasses look their module up
+    from ..cli.recipes import load_recipe_file
+
+    recipe = load_recipe_file(script)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        spec.loader.exec_module(recipe)
         recipe.main(list(argv))
     except SystemExit as e:  # a recipe's own exit (a non-finite stop: its message)
         if e.code not in (None, 0):
             raise RuntimeError(f"building a toy prerequisite failed ({e.code}): {script} {' '.join(argv)}") from None
     finally:
-        sys.modules.pop(spec.name, None)
         torch.set_num_threads(previous)
         gc.collect()  # the build's trainer, model and optimizer
 
