@@ -60,10 +60,29 @@ def versions(packages: tuple[str, ...], **fixed: str) -> dict:
     return found
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows of the processor."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def write_report(path: str, report: dict, versions: dict) -> None:
-    """Write `report` plus the machine (cores, platform, Python, `versions`) as JSON to `path`, and say where."""
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-               "versions": versions}
+    """Write `report` plus the machine (cores, CPU model, torch's CPU capability, platform, Python, `versions`) as
+    JSON to `path`, and say where."""
+    machine = {"cpus": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform(),
+               "python": platform.python_version(), "versions": versions}
+    try:  # the kernels torch dispatches to (AVX2, AVX512 ...) set the float path, and so the trained models
+        import torch
+
+        machine["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except ImportError:
+        pass
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({**report, "machine": machine}, indent=2) + "\n")
     print(f"wrote {path}")
