@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shlex
 import shutil
 import statistics
@@ -71,6 +72,12 @@ def md5(path: Path) -> str | None:
     return digest.hexdigest()
 
 
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished children (and theirs, once waited for)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_chain(label: str, sha: str, chain_args: list[str], workdir: Path, timeout: float, keep: bool) -> dict:
     """One default chain at commit `sha` in a fresh tree under `workdir`; what it took and what it wrote.
 
@@ -83,6 +90,7 @@ def run_chain(label: str, sha: str, chain_args: list[str], workdir: Path, timeou
     command = [sys.executable, "-m", "accelerate.commands.launch", "recipes/ppo.py", *chain_args]
     log_path = workdir / f"{label}.log"
     load_before = os.getloadavg()[0]
+    cpu_start = children_cpu_seconds()
     start = time.perf_counter()
     with open(log_path, "w") as log:
         try:
@@ -91,13 +99,14 @@ def run_chain(label: str, sha: str, chain_args: list[str], workdir: Path, timeou
         except subprocess.TimeoutExpired:
             returncode = None
     seconds = time.perf_counter() - start
+    cpu_seconds = children_cpu_seconds() - cpu_start
     tail = log_path.read_text(errors="replace")[-4000:]
     if returncode != 0:
         why = f"ran past {timeout:.0f} s" if returncode is None else f"exited {returncode}"
         raise RuntimeError(f"chain {label} ({sha[:7]}) {why}; its output ends:\n{tail}")
     results = json.loads((tree / "outputs" / "ppo" / "results.json").read_text())
     run = {
-        "label": label, "commit": sha, "seconds": seconds, "load_before": load_before,
+        "label": label, "commit": sha, "seconds": seconds, "cpu_seconds": cpu_seconds, "load_before": load_before,
         "load_after": os.getloadavg()[0], "timings": results.get("timings", {}),
         "before": results["before"].get("exact_match"), "after": results["after"].get("exact_match"),
         "sft_md5": md5(tree / "outputs" / "sft" / "model.safetensors"),
@@ -121,6 +130,8 @@ def summarize(runs: list[dict], repeats: int) -> dict:
         entry = {"seconds": [run["seconds"] for run in mine],
                  "median_seconds": statistics.median(run["seconds"] for run in mine),
                  "after": [run["after"] for run in mine], "before": [run["before"] for run in mine]}
+        if all("cpu_seconds" in run for run in mine):
+            entry["median_cpu_seconds"] = statistics.median(run["cpu_seconds"] for run in mine)
         for stage in ("sft_s", "ppo_s"):
             values = [run["timings"][stage] for run in mine if stage in run["timings"]]
             if values:
@@ -129,6 +140,10 @@ def summarize(runs: list[dict], repeats: int) -> dict:
     ratios = [by[r, "baseline"]["seconds"] / by[r, "candidate"]["seconds"] for r in range(repeats)]
     summary["ratios"] = ratios
     summary["median_ratio"] = statistics.median(ratios)
+    if all("cpu_seconds" in run for run in runs):  # moves far less with the shared machine's load than wall time
+        cpu = [by[r, "baseline"]["cpu_seconds"] / by[r, "candidate"]["cpu_seconds"] for r in range(repeats)]
+        summary["cpu_ratios"] = cpu
+        summary["median_cpu_ratio"] = statistics.median(cpu)
     stage_ratios = [by[r, "baseline"]["timings"]["ppo_s"] / by[r, "candidate"]["timings"]["ppo_s"]
                     for r in range(repeats) if all("ppo_s" in by[r, s]["timings"] for s in ("baseline", "candidate"))]
     if stage_ratios:
@@ -136,16 +151,30 @@ def summarize(runs: list[dict], repeats: int) -> dict:
     return summary
 
 
+def ratio_note(summary: dict) -> str:
+    """The per-round ratios in wall time, CPU time and the PPO stage's time, as a sentence."""
+    def listed(values: list[float]) -> str:
+        return ", ".join(f"{x:.2f}" for x in values)
+
+    text = f"Per-round end-to-end ratios {listed(summary['ratios'])} (median {summary['median_ratio']:.2f}×)"
+    if "cpu_ratios" in summary:
+        text += f"; in CPU seconds {listed(summary['cpu_ratios'])} (median {summary['median_cpu_ratio']:.2f}×)"
+    if "ppo_stage_ratios" in summary:
+        text += f"; the PPO stage alone {listed(summary['ppo_stage_ratios'])}"
+    return text + "."
+
+
 def table(summary: dict, shas: dict) -> str:
-    lines = ["| commit | median end to end | SFT stage | PPO stage | exact match before → after PPO (per round) "
-             "| end-to-end ratio (per round) |", "|---|---:|---:|---:|---|---:|"]
+    lines = ["| commit | median end to end | CPU seconds | SFT stage | PPO stage | exact match before → after PPO "
+             "(per round) | end-to-end ratio (per round) |", "|---|---:|---:|---:|---:|---|---:|"]
     for side in ("baseline", "candidate"):
         entry = summary[side]
         stage = {k: f"{entry[f'median_{k}']:.0f} s" if f"median_{k}" in entry else "–" for k in ("sft_s", "ppo_s")}
         results = ", ".join(f"{b} → {a}" for b, a in zip(entry["before"], entry["after"]))
         ratio = "1.00×" if side == "baseline" else (
             f"**{summary['median_ratio']:.2f}×** ({', '.join(f'{x:.2f}' for x in summary['ratios'])})")
-        lines.append(f"| {side} {shas[side][:7]} | {entry['median_seconds']:.1f} s | {stage['sft_s']} "
+        cpu = f"{entry['median_cpu_seconds']:.0f} s" if "median_cpu_seconds" in entry else "–"
+        lines.append(f"| {side} {shas[side][:7]} | {entry['median_seconds']:.1f} s | {cpu} | {stage['sft_s']} "
                      f"| {stage['ppo_s']} | {results} | {ratio} |")
     return "\n".join(lines)
 
@@ -198,9 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     notes = [
         f"`accelerate launch recipes/ppo.py {cli.chain_args}`".replace(" `", "`") + " in a clean tree of each "
         f"commit (git archive), one run at a time, rounds interleaved; wall time from launch to exit.",
-        f"Per-round end-to-end ratios {', '.join(f'{x:.2f}' for x in summary['ratios'])} (median "
-        f"{summary['median_ratio']:.2f}×)" + (f"; the PPO stage {', '.join(f'{x:.2f}' for x in summary['ppo_stage_ratios'])}"
-                                               if "ppo_stage_ratios" in summary else "") + ".",
+        ratio_note(summary),
         ("The same SFT weights in every run (md5 identical at both commits)" if sft_same else
          "The SFT weights differ between runs (md5): the two commits did not train the same SFT policy") + "; PPO "
         "weights identical across rounds: " + ", ".join(f"{s} {'yes' if same else 'no'}" for s, same in ppo_same.items())

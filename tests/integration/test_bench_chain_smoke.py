@@ -29,8 +29,8 @@ def chain_bench():
 
 def test_ratios_are_baseline_seconds_over_candidate_seconds_per_round(chain_bench):
     def run(r, side, seconds, sft, ppo, after):
-        return {"round": r, "side": side, "seconds": seconds, "timings": {"sft_s": sft, "ppo_s": ppo},
-                "before": 0.25, "after": after}
+        return {"round": r, "side": side, "seconds": seconds, "cpu_seconds": 2 * seconds,
+                "timings": {"sft_s": sft, "ppo_s": ppo}, "before": 0.25, "after": after}
 
     runs = [run(0, "baseline", 400.0, 200.0, 180.0, 0.50), run(0, "candidate", 200.0, 150.0, 45.0, 0.55),
             run(1, "baseline", 450.0, 220.0, 210.0, 0.50), run(1, "candidate", 300.0, 170.0, 120.0, 0.60)]
@@ -38,11 +38,13 @@ def test_ratios_are_baseline_seconds_over_candidate_seconds_per_round(chain_benc
     assert summary["ratios"] == [2.0, 1.5]
     assert summary["median_ratio"] == 1.75
     assert summary["ppo_stage_ratios"] == [4.0, 1.75]
+    assert summary["cpu_ratios"] == [2.0, 1.5] and summary["candidate"]["median_cpu_seconds"] == 500.0
     assert summary["baseline"]["median_seconds"] == 425.0 and summary["candidate"]["median_seconds"] == 250.0
     assert summary["candidate"]["median_sft_s"] == 160.0 and summary["baseline"]["median_ppo_s"] == 195.0
     assert summary["candidate"]["after"] == [0.55, 0.60]
     table = chain_bench.table(summary, {"baseline": "a" * 40, "candidate": "b" * 40})
-    assert "**1.75×** (2.00, 1.50)" in table and "| baseline aaaaaaa | 425.0 s | 210 s | 195 s |" in table
+    assert "**1.75×** (2.00, 1.50)" in table and "| baseline aaaaaaa | 425.0 s | 850 s | 210 s | 195 s |" in table
+    assert "in CPU seconds 2.00, 1.50 (median 1.75×)" in chain_bench.ratio_note(summary)
 
 
 def test_an_unknown_commit_is_refused_before_any_run(tmp_path):
@@ -78,7 +80,7 @@ def test_the_same_commit_twice_trains_the_same_models(tmp_path):
     assert first["sft_md5"] == second["sft_md5"] is not None and report["same_sft_weights"] is True
     assert first["ppo_md5"] == second["ppo_md5"] is not None
     for run in report["runs"]:
-        assert run["seconds"] > 0 and 0.0 <= run["after"] <= 1.0 and {"sft_s", "ppo_s"} <= set(run["timings"])
+        assert run["seconds"] > 0 and run["cpu_seconds"] > 0 and 0.0 <= run["after"] <= 1.0 and {"sft_s", "ppo_s"} <= set(run["timings"])
     assert not (tmp_path / "trees" / "baseline_r0").exists()  # trees are removed unless --keep
     assert report["machine"]["cpu"] and report["machine"]["torch_cpu_capability"]
     assert "| commit | median end to end |" in done.stdout
