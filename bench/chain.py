@@ -12,9 +12,9 @@ interleaved (baseline, candidate, baseline, candidate ...), one run at a time: t
 on a 2-core machine slow each other down many times over. Reported per run: wall seconds from launch to exit, the
 recipe's own stage timings (`sft_s`, `ppo_s`, `eval_s` of results.json), held-out greedy exact match before and
 after PPO, and the md5 of the SFT and PPO weights: identical SFT bytes at both commits mean the same SFT policy,
-identical PPO bytes across rounds a deterministic run. The floats, and so the models, depend on the CPU's kernels
-(AVX2 and AVX-512 machines train different SFT policies from the same seed), so compare commits on one machine: the
-JSON names its CPU.
+identical PPO bytes across rounds a deterministic run. The floats, and so the models, depend on the kernels torch
+picks for the CPU (two machines here trained different SFT policies from the same seed), so compare commits on one
+machine: the JSON names its CPU.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def run_chain(label: str, sha: str, chain_args: list[str], workdir: Path, timeou
     tail = log_path.read_text(errors="replace")[-4000:]
     if returncode != 0:
         why = f"ran past {timeout:.0f} s" if returncode is None else f"exited {returncode}"
-        raise RuntimeError(f"chain {label} ({sha[:7]}) {why}; its output ends:\n{tail}")
+        raise RuntimeError(f"chain {label} ({sha[:7]}) {why} (its tree and log are kept in {workdir}); its output "
+                           f"ends:\n{tail}")
     results = json.loads((tree / "outputs" / "ppo" / "results.json").read_text())
     run = {
         "label": label, "commit": sha, "seconds": seconds, "cpu_seconds": cpu_seconds, "load_before": load_before,
@@ -182,7 +183,8 @@ def table(summary: dict, shas: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default=START_OF_FAST_ROLLOUTS,
-                        help=f"commit of 'today' (default {START_OF_FAST_ROLLOUTS}, where the fast-rollouts work started)")
+                        help=f"commit of 'today' (default {START_OF_FAST_ROLLOUTS}, where the fast-rollouts work "
+                             "started)")
     parser.add_argument("--candidate", default="HEAD", help="commit measured against it (default HEAD; uncommitted "
                                                             "changes are not part of it)")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
@@ -225,19 +227,19 @@ def main(argv: list[str] | None = None) -> None:
                 for side in ("baseline", "candidate")}
     after = {side: statistics.median(summary[side]["after"]) for side in ("baseline", "candidate")}
     notes = [
-        f"`accelerate launch recipes/ppo.py {cli.chain_args}`".replace(" `", "`") + " in a clean tree of each "
-        f"commit (git archive), one run at a time, rounds interleaved; wall time from launch to exit.",
+        f"`{shlex.join(['accelerate', 'launch', 'recipes/ppo.py', *chain_args])}` in a clean tree of each commit "
+        "(git archive), one run at a time, rounds interleaved; wall time from launch to exit.",
         ratio_note(summary),
         ("The same SFT weights in every run (md5 identical at both commits)" if sft_same else
-         "The SFT weights differ between runs (md5): the two commits did not train the same SFT policy") + "; PPO "
-        "weights identical across rounds: " + ", ".join(f"{s} {'yes' if same else 'no'}" for s, same in ppo_same.items())
-        + ".",
+         "The SFT weights differ between runs (md5): the two commits did not train the same SFT policy")
+        + "; PPO weights identical across rounds: "
+        + ", ".join(f"{side} {'yes' if same else 'no'}" for side, same in ppo_same.items()) + ".",
         f"Median held-out exact match after PPO: baseline {after['baseline']}, candidate {after['candidate']} "
         f"({'the same or better' if after['candidate'] >= after['baseline'] else 'lower'}).",
         f"Load average {min(r['load_before'] for r in runs):.1f}–{max(r['load_before'] for r in runs):.1f} "
         f"on {os.cpu_count()} cores.",
     ]
-    argv_text = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    argv_text = shlex.join(argv if argv is not None else sys.argv[1:])
     finish(cli.output, f"python bench/chain.py {argv_text}".strip(),
            {"baseline": shas["baseline"], "candidate": shas["candidate"], "chain_args": chain_args,
             "summary": summary, "same_sft_weights": sft_same, "ppo_weights_repeat": ppo_same,
