@@ -122,7 +122,8 @@ def summarize(runs: list[dict], repeats: int) -> dict:
     """Medians per side and the per-round ratios baseline seconds / candidate seconds (> 1: the candidate is faster).
 
     Args:
-        runs: with "round", "side" ("baseline" or "candidate"), "seconds", "timings", "before", "after".
+        runs: with "round", "side" ("baseline" or "candidate"), "seconds", "cpu_seconds", "timings", "before",
+            "after" (`run_chain`'s, plus the first two).
     """
     by = {(run["round"], run["side"]): run for run in runs}
     summary = {}
@@ -130,9 +131,8 @@ def summarize(runs: list[dict], repeats: int) -> dict:
         mine = [by[r, side] for r in range(repeats)]
         entry = {"seconds": [run["seconds"] for run in mine],
                  "median_seconds": statistics.median(run["seconds"] for run in mine),
+                 "median_cpu_seconds": statistics.median(run["cpu_seconds"] for run in mine),
                  "after": [run["after"] for run in mine], "before": [run["before"] for run in mine]}
-        if all("cpu_seconds" in run for run in mine):
-            entry["median_cpu_seconds"] = statistics.median(run["cpu_seconds"] for run in mine)
         for stage in ("sft_s", "ppo_s"):
             values = [run["timings"][stage] for run in mine if stage in run["timings"]]
             if values:
@@ -141,10 +141,10 @@ def summarize(runs: list[dict], repeats: int) -> dict:
     ratios = [by[r, "baseline"]["seconds"] / by[r, "candidate"]["seconds"] for r in range(repeats)]
     summary["ratios"] = ratios
     summary["median_ratio"] = statistics.median(ratios)
-    if all("cpu_seconds" in run for run in runs):  # moves far less with the shared machine's load than wall time
-        cpu = [by[r, "baseline"]["cpu_seconds"] / by[r, "candidate"]["cpu_seconds"] for r in range(repeats)]
-        summary["cpu_ratios"] = cpu
-        summary["median_cpu_ratio"] = statistics.median(cpu)
+    # CPU seconds move far less with the shared machine's load than wall time
+    cpu = [by[r, "baseline"]["cpu_seconds"] / by[r, "candidate"]["cpu_seconds"] for r in range(repeats)]
+    summary["cpu_ratios"] = cpu
+    summary["median_cpu_ratio"] = statistics.median(cpu)
     stage_ratios = [by[r, "baseline"]["timings"]["ppo_s"] / by[r, "candidate"]["timings"]["ppo_s"]
                     for r in range(repeats) if all("ppo_s" in by[r, s]["timings"] for s in ("baseline", "candidate"))]
     if stage_ratios:
@@ -152,14 +152,14 @@ def summarize(runs: list[dict], repeats: int) -> dict:
     return summary
 
 
+def listed(values: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in values)
+
+
 def ratio_note(summary: dict) -> str:
     """The per-round ratios in wall time, CPU time and the PPO stage's time, as a sentence."""
-    def listed(values: list[float]) -> str:
-        return ", ".join(f"{x:.2f}" for x in values)
-
-    text = f"Per-round end-to-end ratios {listed(summary['ratios'])} (median {summary['median_ratio']:.2f}×)"
-    if "cpu_ratios" in summary:
-        text += f"; in CPU seconds {listed(summary['cpu_ratios'])} (median {summary['median_cpu_ratio']:.2f}×)"
+    text = (f"Per-round end-to-end ratios {listed(summary['ratios'])} (median {summary['median_ratio']:.2f}×); "
+            f"in CPU seconds {listed(summary['cpu_ratios'])} (median {summary['median_cpu_ratio']:.2f}×)")
     if "ppo_stage_ratios" in summary:
         text += f"; the PPO stage alone {listed(summary['ppo_stage_ratios'])}"
     return text + "."
@@ -173,10 +173,9 @@ def table(summary: dict, shas: dict) -> str:
         stage = {k: f"{entry[f'median_{k}']:.0f} s" if f"median_{k}" in entry else "–" for k in ("sft_s", "ppo_s")}
         results = ", ".join(f"{b} → {a}" for b, a in zip(entry["before"], entry["after"]))
         ratio = "1.00×" if side == "baseline" else (
-            f"**{summary['median_ratio']:.2f}×** ({', '.join(f'{x:.2f}' for x in summary['ratios'])})")
-        cpu = f"{entry['median_cpu_seconds']:.0f} s" if "median_cpu_seconds" in entry else "–"
-        lines.append(f"| {side} {shas[side][:7]} | {entry['median_seconds']:.1f} s | {cpu} | {stage['sft_s']} "
-                     f"| {stage['ppo_s']} | {results} | {ratio} |")
+            f"**{summary['median_ratio']:.2f}×** ({listed(summary['ratios'])})")
+        lines.append(f"| {side} {shas[side][:7]} | {entry['median_seconds']:.1f} s | {entry['median_cpu_seconds']:.0f} "
+                     f"s | {stage['sft_s']} | {stage['ppo_s']} | {results} | {ratio} |")
     return "\n".join(lines)
 
 
