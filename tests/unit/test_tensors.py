@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import hf_rlhf
+from hf_rlhf import tensors
 from hf_rlhf.tensors import (
     entropy_from_logits,
     first_true_indices,
@@ -112,6 +113,29 @@ def test_entropy_uniform_is_log_v_and_matches_definition():
     logits = torch.randn(2, 4, 9, dtype=torch.float64)
     p = logits.softmax(-1)
     assert_close(entropy_from_logits(logits), -(p * p.log()).sum(-1))
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 2 * 5 * 11 + 3, 1 << 24])
+def test_logprobs_and_entropy_the_same_for_any_row_chunking(monkeypatch, chunk_elements):
+    # one row at a time (a real vocabulary), two and a bit rows (a short last chunk), the whole batch at once
+    torch.manual_seed(0)
+    full = torch.randn(5, 7, 11)
+    logits, labels = full[:, 1:6], torch.randint(0, 11, (5, 5))  # a strided view, as a response slice of logits
+    one_row = [logprobs_from_logits(logits[i:i + 1], labels[i:i + 1]) for i in range(5)]
+    one_row_entropy = [entropy_from_logits(logits[i:i + 1]) for i in range(5)]
+    monkeypatch.setattr(tensors, "LOGITS_CHUNK_ELEMENTS", chunk_elements)
+    rows = max(1, chunk_elements // (5 * 11))
+    assert [len(c) for c in tensors.logit_row_chunks(logits)] == [min(rows, 5 - i) for i in range(0, 5, rows)]
+    leaf = logits.clone().requires_grad_()
+    logprobs = logprobs_from_logits(leaf, labels)
+    assert torch.equal(logprobs, torch.cat(one_row))  # each row reduces over its own entries: the same floats
+    assert torch.equal(entropy_from_logits(logits), torch.cat(one_row_entropy))
+    (logprobs.sum() + entropy_from_logits(leaf).sum()).backward()
+    reference = logits.clone().requires_grad_()
+    p = reference.softmax(-1)
+    (reference.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).sum() - (p * p.log()).sum()).backward()
+    assert_close(leaf.grad, reference.grad)
+    assert logprobs_from_logits(logits[:0], labels[:0]).shape == (0, 5)
 
 
 def test_first_true_indices():
