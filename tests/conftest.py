@@ -16,6 +16,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def unfrozen_heap():
+    """A test that ran a recipe entry point in-process (`run_recipe` freezes the heap: `freeze_startup_heap`) gives
+    the frozen objects back to the collector, so later tests' garbage among them is still reclaimed."""
+    yield
+    import gc
+
+    if gc.get_freeze_count():
+        gc.unfreeze()
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     """The toy world's character tokenizer (trained locally, no download)."""

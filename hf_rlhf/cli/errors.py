@@ -1,8 +1,9 @@
-"""How a recipe ends on the command line: a bad option or input exits with one `[hf_rlhf] error: ...` line; a run
-that succeeded closes its process group."""
+"""How a recipe runs on the command line: its start-up heap frozen out of the garbage collector's full passes; a bad
+option or input exits with one `[hf_rlhf] error: ...` line; a run that succeeded closes its process group."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 
@@ -25,8 +26,24 @@ def close_process_group() -> None:
         dist.destroy_process_group()
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive now out of the cyclic garbage collector's sight (`gc.freeze`), after one full
+    collection so that no garbage is frozen.
+
+    A recipe process holds ~540,000 tracked objects once torch, transformers, trl and peft are imported, and each of
+    CPython's full collections walks all of them: ~0.4 s apiece on a 2-core CPU here. Tokenizing the toy's 60,000 SFT
+    rows set off eight (6 s for the rows, 3 s with the heap frozen) and the collection at interpreter exit took ~2 s
+    (0.4 s frozen). Frozen objects are still freed by reference counting; a reference cycle among them that turns
+    into garbage later is not reclaimed, which for modules, classes and functions imported at start-up is what would
+    happen anyway. `gc.unfreeze()` gives them back to the collector.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def run_recipe(main: Callable, close: bool = True):
-    """Run a recipe's `main()` from the command line: a bad input or option exits with its message, not a traceback.
+    """Run a recipe's `main()` from the command line: on a frozen start-up heap (`freeze_startup_heap`); a bad input
+    or option exits with its message, not a traceback.
 
     Args:
         main: the recipe's entry point.
@@ -39,6 +56,7 @@ def run_recipe(main: Callable, close: bool = True):
     from ..config_checks import RenamedOptionError
     from ..data import DataFileError, DataValidationError
 
+    freeze_startup_heap()
     try:
         results = main()
     except (DataFileError, DataValidationError, RecipeOptionError, RenamedOptionError) as e:

@@ -3,6 +3,9 @@ exit, failing the launcher after a good run); one that failed leaves it alone (o
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch.distributed as dist
 
@@ -37,3 +40,25 @@ def test_a_failed_recipe_leaves_the_group_up(one_rank_group):
     with pytest.raises(SystemExit, match=r"\[hf_rlhf\] error: give --model_name_or_path"):
         run_recipe(bad)
     assert dist.is_initialized()
+
+
+def test_a_recipe_runs_on_a_frozen_heap_without_freezing_garbage():
+    class Node:
+        pass
+
+    gc.disable()  # no automatic pass may reclaim the cycle first
+    try:
+        garbage = Node()
+        garbage.cycle = garbage
+        dropped = weakref.ref(garbage)
+        del garbage
+        alive = Node()
+        alive.cycle = alive
+        frozen_before = gc.get_freeze_count()
+        assert run_recipe(lambda: gc.get_freeze_count()) > frozen_before  # main() already runs frozen
+    finally:
+        gc.enable()
+    assert dropped() is None  # collected before the freeze, not kept forever
+    assert not any(o is alive for o in gc.get_objects())  # out of every collection's walk
+    gc.unfreeze()
+    assert any(o is alive for o in gc.get_objects())
