@@ -1,5 +1,6 @@
 """A recipe that succeeded destroys its process group (a gloo group left alive can abort the process at interpreter
-exit, failing the launcher after a good run); one that failed leaves it alone (other ranks may be mid-collective)."""
+exit, failing the launcher after a good run); one that failed leaves it alone (other ranks may be mid-collective).
+And a recipe's main() runs on a frozen start-up heap, with no garbage frozen."""
 
 from __future__ import annotations
 
