@@ -7,6 +7,8 @@ it never reach a result, so NaN or inf there (padding logits, say) cannot leak i
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -116,17 +118,13 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 LOGITS_CHUNK_ELEMENTS = 1 << 24
 
 
-def logit_row_chunks(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`logits` split along the batch into chunks of at most `LOGITS_CHUNK_ELEMENTS` elements (at least one row).
+def logit_rows_per_chunk(logits: torch.Tensor) -> int:
+    """How many rows of `logits` one reduction takes at once: as many as `LOGITS_CHUNK_ELEMENTS` holds, at least one.
 
     Args:
         logits: (B, ...), B >= 0.
-
-    Returns:
-        Views of `logits`, in order, concatenating back to it.
     """
-    row = max(1, logits[0].numel()) if len(logits) else 1
-    return logits.split(max(1, LOGITS_CHUNK_ELEMENTS // row))  # an empty batch: one empty chunk
+    return max(1, LOGITS_CHUNK_ELEMENTS // max(1, math.prod(logits.shape[1:])))
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -136,7 +134,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Log-probability of each label under the softmax of the logits: log_softmax(logits).gather(labels).
 
-    Computed as logit[label] - logsumexp(logits) in float32, over chunks of rows (`logit_row_chunks`), so the
+    Computed as logit[label] - logsumexp(logits) in float32, over chunks of rows (`logit_rows_per_chunk`), so the
     peak extra memory is one chunk (at most 64 MiB, or one (T, V) row) instead of a (B, T, V) log_softmax (the trick
     of `trl.trainer.utils.selective_log_softmax`).
 
@@ -148,9 +146,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
         (B, T) in float32 (float64 if the logits are float64).
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    chunks = logit_row_chunks(logits)
+    rows = logit_rows_per_chunk(logits)
     out = []
-    for chunk, chunk_labels in zip(chunks, labels.split(max(1, len(chunks[0])))):
+    for chunk, chunk_labels in zip(logits.split(rows), labels.split(rows)):
         chunk = chunk.to(dtype)
         out.append(chunk.gather(-1, chunk_labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
     return _joined(out)
@@ -169,7 +167,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)
     out = []
-    for chunk in logit_row_chunks(logits):
+    for chunk in logits.split(logit_rows_per_chunk(logits)):
         chunk = chunk.to(dtype)
         out.append(torch.logsumexp(chunk, dim=-1) - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
     return _joined(out)

@@ -125,7 +125,8 @@ def test_logprobs_and_entropy_the_same_for_any_row_chunking(monkeypatch, chunk_e
     one_row_entropy = [entropy_from_logits(logits[i:i + 1]) for i in range(5)]
     monkeypatch.setattr(tensors, "LOGITS_CHUNK_ELEMENTS", chunk_elements)
     rows = max(1, chunk_elements // (5 * 11))
-    assert [len(c) for c in tensors.logit_row_chunks(logits)] == [min(rows, 5 - i) for i in range(0, 5, rows)]
+    assert tensors.logit_rows_per_chunk(logits) == rows == tensors.logit_rows_per_chunk(logits[:0])
+    assert [len(c) for c in logits.split(rows)] == [min(rows, 5 - i) for i in range(0, 5, rows)]
     leaf = logits.clone().requires_grad_()
     logprobs = logprobs_from_logits(leaf, labels)
     assert torch.equal(logprobs, torch.cat(one_row))  # each row reduces over its own entries: the same floats
