@@ -1,5 +1,6 @@
-"""How a recipe runs on the command line: its start-up heap frozen out of the garbage collector's full passes; a bad
-option or input exits with one `[hf_rlhf] error: ...` line; a run that succeeded closes its process group."""
+"""How a recipe runs on the command line: its start-up heap frozen out of the garbage collector's full passes and its
+freed C memory kept for reuse (`allocator.keep_freed_memory`); a bad option or input exits with one
+`[hf_rlhf] error: ...` line; a run that succeeded closes its process group."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def freeze_startup_heap() -> None:
 
 
 def run_recipe(main: Callable, close: bool = True):
-    """Run a recipe's `main()` from the command line: on a frozen start-up heap (`freeze_startup_heap`); a bad input
-    or option exits with its message, not a traceback.
+    """Run a recipe's `main()` from the command line: on a frozen start-up heap (`freeze_startup_heap`), with freed C
+    memory kept for reuse (`keep_freed_memory`); a bad input or option exits with its message, not a traceback.
 
     Args:
         main: the recipe's entry point.
@@ -55,8 +56,10 @@ def run_recipe(main: Callable, close: bool = True):
     """
     from ..config_checks import RenamedOptionError
     from ..data import DataFileError, DataValidationError
+    from .allocator import keep_freed_memory
 
     freeze_startup_heap()
+    keep_freed_memory()
     try:
         results = main()
     except (DataFileError, DataValidationError, RecipeOptionError, RenamedOptionError) as e:
