@@ -275,6 +275,41 @@ def prompt_completion_texts(prompt, completion) -> list[str]:
     return [prompt, prompt + completion, completion]
 
 
+def backend_encodes_plainly(tokenizer) -> bool:
+    """True when `tokenizer(texts, add_special_tokens=False)["input_ids"]` is exactly the ids of its Rust backend's
+    `encode_batch_fast(texts, add_special_tokens=False)`: a transformers fast tokenizer whose class keeps the stock
+    `__call__` / `_encode_plus` and no input mode (some model tokenizers override or add them), and whose backend has no
+    truncation or padding set and splits special tokens as the tokenizer says (the three settings the stock call
+    would change for the call)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return False
+    from transformers import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cls = type(tokenizer)
+    stock = (cls.__call__ is PreTrainedTokenizerBase.__call__ and cls._encode_plus is TokenizersBackend._encode_plus
+             and not hasattr(cls, "_switch_to_input_mode"))
+    return (stock and backend.truncation is None and backend.padding is None
+            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)))
+
+
+def encode_plain_batch(tokenizer, texts: list[str]) -> list[list[int]]:
+    """`tokenizer(texts, add_special_tokens=False)["input_ids"]`, computed faster.
+
+    Where `backend_encodes_plainly(tokenizer)`, straight from the Rust backend's `encode_batch_fast` (no offsets, no
+    per-text Python dict: 44k toy texts in 0.28 s against 1.30 s); else the tokenizer's own call without the
+    attention masks and token type ids it would build and drop (0.88 s).
+    """
+    if not texts:
+        return []
+    if backend_encodes_plainly(tokenizer):
+        return [encoding.ids for encoding in tokenizer.backend_tokenizer.encode_batch_fast(
+            texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
+                     return_token_type_ids=False)["input_ids"]
+
+
 class PreEncodedTokenizer:
     """`tokenizer`, with the ids of `texts` encoded ahead in one batched call: `tok(text, add_special_tokens=False)`
     of one of them reads the table (a fast tokenizer gives a text the same ids alone or in a batch); every other call
@@ -282,7 +317,7 @@ class PreEncodedTokenizer:
 
     What a batched `Dataset.map` hands a per-row tokenization function: one call into the tokenizer's Rust batch
     encoder per batch instead of one Python-wrapped call per text (~0.1 ms each; 60,000 prompt / completion rows
-    took 15 s one at a time).
+    took 15 s one at a time), through `encode_plain_batch`.
 
     Args:
         tokenizer: the tokenizer (a `PreTrainedTokenizerBase`).
@@ -291,7 +326,7 @@ class PreEncodedTokenizer:
 
     def __init__(self, tokenizer, texts: list[str]):
         unique = list(dict.fromkeys(texts))
-        encoded = tokenizer(unique, add_special_tokens=False)["input_ids"] if unique else []
+        encoded = encode_plain_batch(tokenizer, unique)
         self.tokenizer = tokenizer
         self.ids = dict(zip(unique, encoded))
 

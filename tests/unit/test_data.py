@@ -619,6 +619,8 @@ from hf_rlhf.data import prepare_preference_dataset  # noqa: E402
 from hf_rlhf.data.sft import build_labels  # noqa: E402
 from hf_rlhf.data.tokenization import (  # noqa: E402
     PreEncodedTokenizer,
+    backend_encodes_plainly,
+    encode_plain_batch,
     map_rows,
     special_prefix,
     tokenize_prompt_completion,
@@ -672,6 +674,9 @@ def test_sft_text_rows_and_labels_equal_one_row_at_a_time():
     assert out["input_ids"] == expected
     labeled = build_labels(Dataset.from_dict({"input_ids": [[1, 2, 3]] * 1500, "completion_mask": [[0, 1, 1]] * 1500}))
     assert labeled.column_names == ["input_ids", "labels"] and set(map(tuple, labeled["labels"])) == {(-100, 2, 3)}
+    both = build_labels(Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 1500, "completion_mask": [[0, 1, 1, 1]] * 1500,
+                                           "assistant_masks": [[1, 1, 0, 1]] * 1500}))  # a token needs both masks
+    assert both.column_names == ["input_ids", "labels"] and set(map(tuple, both["labels"])) == {(-100, 2, -100, 4)}
 
 
 def test_preference_rows_equal_one_row_at_a_time():
@@ -695,6 +700,32 @@ def test_an_error_names_its_row_in_a_later_batch():
     with pytest.raises(DataValidationError, match="row 1234") as err:
         data.map(map_rows, batched=True, with_indices=True, fn_kwargs={"row_fn": row_fn, "spec": object()})
     assert err.value.row == 1234
+
+
+def test_plain_batch_encoding_is_the_tokenizer_call(monkeypatch):
+    # straight from the Rust backend where that is the stock call's result, special tokens in the text included;
+    # through the tokenizer's own call where that call would reconfigure the backend or is not the stock one
+    texts = [r["prompt"] + r["completion"] for r in random_rows(300, seed=3)] + ["<s>ab</s> x", "", "  ", "ab\ncd\t"]
+    stock = build_tokenizer(merges=MERGES)
+    expected = stock(texts, add_special_tokens=False)["input_ids"]
+    assert backend_encodes_plainly(stock) and encode_plain_batch(stock, texts) == expected
+    assert expected[-4][0] == stock.bos_token_id and len(set(map(tuple, expected))) > 250  # "<s>": one token
+
+    truncating = build_tokenizer(merges=MERGES)
+    truncating.backend_tokenizer.enable_truncation(max_length=3)  # the stock call switches it off for the call
+    assert not backend_encodes_plainly(truncating) and encode_plain_batch(truncating, texts) == expected
+
+    splitting = build_tokenizer(merges=MERGES)
+    splitting.split_special_tokens = True
+    split = splitting(texts, add_special_tokens=False)["input_ids"]
+    assert split[-4][0] != stock.bos_token_id and len(split[-4]) > len(expected[-4])  # "<s>": three characters
+    splitting.backend_tokenizer.encode_special_tokens = False  # as a fresh tokenizer's, before its first call
+    assert not backend_encodes_plainly(splitting) and encode_plain_batch(splitting, texts) == split
+
+    patched = build_tokenizer(merges=MERGES)
+    calls = count_tokenizer_calls(patched, monkeypatch)  # a class whose __call__ is not the stock one
+    assert not backend_encodes_plainly(patched) and encode_plain_batch(patched, texts) == expected
+    assert calls == [len(texts)] and encode_plain_batch(patched, []) == []
 
 
 def test_pre_encoded_tokenizer_falls_through_for_anything_else():
