@@ -213,6 +213,19 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
         with self.activation_offload_context:  # `activation_offloading`: saved activations go to CPU memory
             return super().training_step(*args, **kwargs)
 
+    def floating_point_ops(self, inputs: dict) -> int:
+        """`Trainer.floating_point_ops` (6 x the main input's tokens x the model's non-embedding parameters, the
+        `total_flos` estimate), with the parameter count taken once per model instead of every step (a walk over
+        every module and parameter: ~0.35 ms a step of the toy SFT, ~1 s of its 2,400 steps)."""
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return 0
+        model, count = getattr(self, "_flop_parameters", (None, 0))
+        if model is not self.model:  # the first step, or a model swapped since
+            count = self.model.num_parameters(exclude_embeddings=True)
+            self._flop_parameters = (self.model, count)
+        return 6 * inputs[main_input].numel() * count
+
     def logged_metrics(self, mode: str, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
         """What is logged from the accumulated (sum, weight) totals of `mode`: each sum / weight, and for a trainer
         that `counts_tokens`, `num_tokens`: the running total of real tokens trained on (TRL's, in train and eval

@@ -147,3 +147,31 @@ def test_value_head_builder_init_and_both_users_share_it():
     model = ValueHeadModel(causal)
     torch.manual_seed(1)
     assert_close(model.v_head.weight, new_value_head(16).weight)
+
+
+def test_flops_estimate_is_the_trainers_with_the_parameter_count_taken_once():
+    import types
+
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+
+    from hf_rlhf.trainers.base import BaseTrainer
+
+    def counted_model(layers: int) -> tuple[LlamaForCausalLM, list]:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=layers, num_attention_heads=2))
+        calls, count = [], model.num_parameters
+        model.num_parameters = lambda **kwargs: (calls.append(kwargs), count(**kwargs))[1]
+        return model, calls
+
+    model, calls = counted_model(2)
+    trainer = types.SimpleNamespace(model=model)  # what the method reads of a trainer
+    inputs = {"input_ids": torch.ones(4, 10, dtype=torch.long)}
+    expected = Trainer.floating_point_ops(trainer, inputs)  # transformers' own estimate
+    assert expected == 6 * 40 * model.num_parameters(exclude_embeddings=True) > 0
+    calls.clear()
+    assert [BaseTrainer.floating_point_ops(trainer, inputs) for _ in range(3)] == [expected] * 3
+    assert calls == [{"exclude_embeddings": True}]  # counted once, not per step
+    assert BaseTrainer.floating_point_ops(trainer, {"input_ids": torch.ones(1, 5, dtype=torch.long)}) == expected // 8
+    trainer.model, calls = counted_model(3)  # another model: counted again
+    assert BaseTrainer.floating_point_ops(trainer, inputs) == Trainer.floating_point_ops(trainer, inputs) > expected
+    assert BaseTrainer.floating_point_ops(trainer, {"pixel_values": torch.ones(1)}) == 0
