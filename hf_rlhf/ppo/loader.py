@@ -43,6 +43,7 @@ from ..data import (
     check_unknown_tokens,
     column_names,
     column_values,
+    encode_plain_batch,
     is_conversational_column,
     special_prefix,
     validate_rows,
@@ -189,7 +190,7 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
                                                      add_generation_prompt=True, tools=tools or None)["input_ids"]
                        for prompt in batch["prompt"]]
             else:
-                encoded = tokenizer(list(batch["prompt"]), add_special_tokens=False)["input_ids"]
+                encoded = encode_plain_batch(tokenizer, list(batch["prompt"]))
                 ids = [prefix + row_ids for row_ids in encoded]
             return {"input_ids": [list(row_ids) for row_ids in ids]}
 
