@@ -304,8 +304,9 @@ def encode_plain_batch(tokenizer, texts: list[str]) -> list[list[int]]:
     if not texts:
         return []
     if backend_encodes_plainly(tokenizer):
-        return [encoding.ids for encoding in tokenizer.backend_tokenizer.encode_batch_fast(
-            texts, add_special_tokens=False)]
+        backend = tokenizer.backend_tokenizer
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # an older tokenizers may lack the fast one
+        return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
     return tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
                      return_token_type_ids=False)["input_ids"]
 
