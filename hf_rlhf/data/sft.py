@@ -337,10 +337,7 @@ def _labels_row(row: dict, mask_columns: tuple[str, ...], max_length: int | None
         out = {"labels": list(row["labels"])}
     else:
         masks = [row[column] for column in mask_columns]
-        if len(masks) == 1:  # the common case, without a tuple and an all() per token
-            out = {"labels": [t if bit else -100 for t, bit in zip(row["input_ids"], masks[0])]}
-        else:
-            out = {"labels": [t if all(bits) else -100 for t, *bits in zip(row["input_ids"], *masks)]}
+        out = {"labels": [t if all(bits) else -100 for t, *bits in zip(row["input_ids"], *masks)]}
     if max_length is not None:  # pre-tokenized rows: the over-long policy, as for the rows tokenized here
         row = {**row, **out}
         out["_length"] = len(row["input_ids"])

@@ -304,9 +304,8 @@ def encode_plain_batch(tokenizer, texts: list[str]) -> list[list[int]]:
     if not texts:
         return []
     if backend_encodes_plainly(tokenizer):
-        backend = tokenizer.backend_tokenizer
-        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # an older tokenizers may lack the fast one
-        return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
+        return [encoding.ids for encoding in tokenizer.backend_tokenizer.encode_batch_fast(
+            texts, add_special_tokens=False)]  # in tokenizers since 0.20 (pyproject: >= 0.21)
     return tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
                      return_token_type_ids=False)["input_ids"]
 
