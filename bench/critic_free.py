@@ -145,7 +145,7 @@ def worker(name: str, settings: dict, threads: int, model_dir: str) -> dict:
     if library == "trl":
         import trl  # noqa: F401
     else:
-        import hf_rlhf.trainers.ppo  # noqa: F401
+        import hf_rlhf.trainers.ppo_trainer  # noqa: F401
     torch.set_num_threads(threads)
     rss_import = ppo_bench.peak_rss_mb()
     group = num_generations(estimator, settings)

@@ -325,7 +325,7 @@ def worker(name: str, settings: dict, threads: int, model_dir: str) -> dict:
 
         assert trl.__version__ == TRL_VERSION, f"the TRL worker imported trl {trl.__version__} from {trl.__file__}"
     else:
-        import hf_rlhf.trainers.ppo  # noqa: F401
+        import hf_rlhf.trainers.ppo_trainer  # noqa: F401
     if importlib.util.find_spec("deepspeed"):  # accelerate imports it on the first unwrap_model, inside train()
         import deepspeed  # noqa: F401
 

@@ -21,9 +21,9 @@ def sample_completions(model, tokenizer, rows):
     """The greedy multi-turn completions (message lists) of a few rows, to see what the policy does."""
     import torch
 
-    from hf_rlhf.ppo.multiturn import ToolRollout
-    from hf_rlhf.toy.tool_task import add
+    from hf_rlhf.rollout.multiturn import ToolRollout
     from hf_rlhf.tools import ToolRunner, tool_dict
+    from hf_rlhf.toy.tool_task import add
 
     loop = ToolRollout(tokenizer, tokenizer.eos_token_id, 120, 2, ToolRunner(2, 10))
     out = []
@@ -55,8 +55,14 @@ def main(argv=None):
     import torch
 
     from hf_rlhf import PPOConfig, PPOTrainer, SFTConfig, SFTTrainer
-    from hf_rlhf.toy import (build_toy_model, build_toy_tool_tokenizer, tool_exact_match, tool_prompt_dataset,
-                             tool_reward, tool_sft_dataset)
+    from hf_rlhf.toy import (
+        build_toy_model,
+        build_toy_tool_tokenizer,
+        tool_exact_match,
+        tool_prompt_dataset,
+        tool_reward,
+        tool_sft_dataset,
+    )
     from hf_rlhf.toy.tool_task import add
 
     torch.set_num_threads(args.threads)

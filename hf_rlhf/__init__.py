@@ -12,19 +12,19 @@ from .imports import lazy_exports
 __version__ = "0.1.0"
 
 _LAZY = {
-    "AdaptiveKLController": "hf_rlhf.ppo.kl",
-    "DPOConfig": "hf_rlhf.configs",
-    "DPOTrainer": "hf_rlhf.trainers.dpo",
-    "FixedKLController": "hf_rlhf.ppo.kl",
-    "GRPOConfig": "hf_rlhf.ppo.grpo_config",
-    "GRPOTrainer": "hf_rlhf.trainers.grpo",
-    "ModelConfig": "hf_rlhf.configs",
-    "PPOConfig": "hf_rlhf.ppo.config",
-    "PPOTrainer": "hf_rlhf.trainers.ppo",
-    "RewardConfig": "hf_rlhf.configs",
-    "RewardTrainer": "hf_rlhf.trainers.reward",
-    "SFTConfig": "hf_rlhf.configs",
-    "SFTTrainer": "hf_rlhf.trainers.sft",
+    "AdaptiveKLController": "hf_rlhf.rl.kl",
+    "DPOConfig": "hf_rlhf.trainers.dpo_config",
+    "DPOTrainer": "hf_rlhf.trainers.dpo_trainer",
+    "FixedKLController": "hf_rlhf.rl.kl",
+    "GRPOConfig": "hf_rlhf.trainers.grpo_config",
+    "GRPOTrainer": "hf_rlhf.trainers.grpo_trainer",
+    "ModelConfig": "hf_rlhf.trainers.model_config",
+    "PPOConfig": "hf_rlhf.trainers.ppo_config",
+    "PPOTrainer": "hf_rlhf.trainers.ppo_trainer",
+    "RewardConfig": "hf_rlhf.trainers.reward_config",
+    "RewardTrainer": "hf_rlhf.trainers.reward_trainer",
+    "SFTConfig": "hf_rlhf.trainers.sft_config",
+    "SFTTrainer": "hf_rlhf.trainers.sft_trainer",
 }
 
 __all__ = sorted(_LAZY)
@@ -32,12 +32,15 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .configs import DPOConfig, ModelConfig, RewardConfig, SFTConfig
-    from .ppo.config import PPOConfig
-    from .ppo.grpo_config import GRPOConfig
-    from .ppo.kl import AdaptiveKLController, FixedKLController
-    from .trainers.dpo import DPOTrainer
-    from .trainers.grpo import GRPOTrainer
-    from .trainers.ppo import PPOTrainer
-    from .trainers.reward import RewardTrainer
-    from .trainers.sft import SFTTrainer
+    from .rl.kl import AdaptiveKLController, FixedKLController
+    from .trainers.dpo_config import DPOConfig
+    from .trainers.dpo_trainer import DPOTrainer
+    from .trainers.grpo_config import GRPOConfig
+    from .trainers.grpo_trainer import GRPOTrainer
+    from .trainers.model_config import ModelConfig
+    from .trainers.ppo_config import PPOConfig
+    from .trainers.ppo_trainer import PPOTrainer
+    from .trainers.reward_config import RewardConfig
+    from .trainers.reward_trainer import RewardTrainer
+    from .trainers.sft_config import SFTConfig
+    from .trainers.sft_trainer import SFTTrainer

@@ -26,13 +26,13 @@ import os
 from dataclasses import dataclass, field
 
 from hf_rlhf import ModelConfig, RewardConfig, RewardTrainer
-from hf_rlhf.data import prepare_preference_dataset
 from hf_rlhf.cli.arguments import parse_recipe_args
 from hf_rlhf.cli.data_loading import load_text_dataset, tokenize_first
 from hf_rlhf.cli.errors import run_recipe
 from hf_rlhf.cli.printing import print_outputs
 from hf_rlhf.cli.results import exit_after_nonfinite_stop, write_results
 from hf_rlhf.cli.resume import resume_argument, train_run
+from hf_rlhf.data import prepare_preference_dataset
 from hf_rlhf.toy.chain import is_toy_run, prepare_toy_base
 
 TOY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "reward_toy.yaml")
@@ -69,7 +69,7 @@ def is_full_model_dir(path: str | None) -> bool:
 
 def load_reward_base(script_args, model_config, training_args):
     """(model or path, tokenizer, description of the starting point)."""
-    from hf_rlhf.models import load_tokenizer
+    from hf_rlhf.models.loading import load_tokenizer
 
     if model_config.model_name_or_path is not None:
         # RewardTrainer loads it as AutoModelForSequenceClassification(num_labels=1), quantized if asked
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         train, test = load_text_dataset(script_args, validate_rows(training_args))
         if model_config.model_name_or_path is not None:
             # tokenizer-level checks (unknown tokens, over-long pairs) before the weights are read
-            from hf_rlhf.models import load_tokenizer
+            from hf_rlhf.models.loading import load_tokenizer
 
             train, test = tokenize_first(train, test, prepare_preference_dataset, load_tokenizer(model_config),
                                          training_args)

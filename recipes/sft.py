@@ -22,13 +22,13 @@ import os
 from dataclasses import dataclass, field
 
 from hf_rlhf import ModelConfig, SFTConfig, SFTTrainer
-from hf_rlhf.data import prepare_sft_dataset
 from hf_rlhf.cli.arguments import parse_recipe_args
 from hf_rlhf.cli.data_loading import load_text_dataset, tokenize_first
 from hf_rlhf.cli.errors import run_recipe
 from hf_rlhf.cli.printing import print_outputs
 from hf_rlhf.cli.results import exit_after_nonfinite_stop, write_results
 from hf_rlhf.cli.resume import resume_argument, train_run
+from hf_rlhf.data import prepare_sft_dataset
 from hf_rlhf.toy.chain import is_toy_run, prepare_toy_base
 
 TOY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "sft_toy.yaml")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         model, tokenizer = prepare_toy_base(model_config, training_args, script_args.toy_model_size,
                                             script_args.toy_seed, tools=script_args.toy_task == "tools")
     else:
-        from hf_rlhf.models import load_model, load_tokenizer
+        from hf_rlhf.models.loading import load_model, load_tokenizer
 
         tokenizer = load_tokenizer(model_config)
         if not toy:  # tokenizer-level checks (unknown tokens, over-long rows) before the weights are read

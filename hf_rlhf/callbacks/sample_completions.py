@@ -96,7 +96,7 @@ class SampleCompletionsCallback(TrainerCallback):
         self._last_step = state.global_step
         policy = getattr(model, "policy", model)
         if self.tools:
-            from ..ppo.multiturn import greedy_tool_completions
+            from ..rollout.multiturn import greedy_tool_completions
 
             completions = greedy_tool_completions(policy, processing_class, self.prompts, self.tools,
                                                   self.max_new_tokens, self.max_tool_calling_iterations).completions

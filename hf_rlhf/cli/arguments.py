@@ -9,7 +9,7 @@ import os
 import re
 import sys
 
-from ..config_checks import check_renamed
+from ..trainers.config_checks import check_renamed
 from .errors import RecipeOptionError
 
 
@@ -141,7 +141,7 @@ def check_known_options(parser, argv: list[str]) -> None:
 
 
 def check_renamed_cli_options(argv: list[str], dataclass_types=()) -> None:
-    """Old option names (`hf_rlhf.config_checks.RENAMED`: `--max_seq_length`, `--init_kl_coef`, ...) on the command
+    """Old option names (`hf_rlhf.trainers.config_checks.RENAMED`: `--max_seq_length`, `--init_kl_coef`, ...) on the command
     line or as keys of the `--config` YAML file are errors that name the new option (unless one of
     `dataclass_types` has a field of that name)."""
     names = [a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")]

@@ -75,8 +75,8 @@ def load_prompt_data(script_args, model_config, args) -> PromptData:
     """
     from transformers import AutoConfig
 
-    from ..models import load_tokenizer
-    from ..ppo.loader import prepare_prompt_dataset, validate_prompt_dataset
+    from ..models.loading import load_tokenizer
+    from ..rollout.loader import prepare_prompt_dataset, validate_prompt_dataset
 
     train, test = load_text_dataset(script_args, lambda rows: validate_prompt_dataset(rows))
     if test is not None:

@@ -54,8 +54,8 @@ def run_recipe(main: Callable, close: bool = True):
     Returns:
         what `main()` returns (a recipe's results).
     """
-    from ..config_checks import RenamedOptionError
     from ..data import DataFileError, DataValidationError
+    from ..trainers.config_checks import RenamedOptionError
     from .allocator import keep_freed_memory
 
     freeze_startup_heap()

@@ -25,7 +25,7 @@ def evaluate_completions(model, tokenizer, rows, reward: Callable, max_new_token
         "tool_calls_per_completion" and "tool_error_rate" (the share of calls answered with an error).
     """
     from ..generation import generate_completions
-    from ..ppo.multiturn import greedy_tool_completions
+    from ..rollout.multiturn import greedy_tool_completions
 
     prompts = list(rows["prompt"])
     tool_stats = {}

@@ -31,7 +31,7 @@ COMMANDS = {
     "reward": ("reward", "a pairwise (Bradley-Terry) reward model (recipes/reward.py)"),
     "ppo": ("ppo", "PPO, GRPO, RLOO, REINFORCE++ on a reward model or function (recipes/ppo.py)"),
     "dpo": ("dpo", "direct preference optimisation (recipes/dpo.py)"),
-    "merge": (None, "merge a LoRA adapter into its base model (hf_rlhf.merge)"),
+    "merge": (None, "merge a LoRA adapter into its base model (hf_rlhf.models.merge)"),
     "env": (None, "print the versions of torch, transformers, trl, peft, accelerate, deepspeed, bitsandbytes and the "
                   "device"),
 }
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print_env()
         return 0
     if command == "merge":
-        from ..merge import main as merge_main
+        from ..models.merge import main as merge_main
 
         merge_main(rest, prog=f"{PROG} merge")
         return 0
@@ -161,7 +161,7 @@ def show_help(command: str, module) -> int:
     except SystemExit as e:
         if e.code not in (0, None):
             raise
-    print(f"\naccelerate launch's options (--num_processes, --config_file, --mixed_precision, ...) and "
-          f"--accelerate_config NAME|FILE (recipes/accelerate/NAME.yaml) may be mixed in: the command then runs "
-          f"under accelerate launch.")
+    print("\naccelerate launch's options (--num_processes, --config_file, --mixed_precision, ...) and "
+          "--accelerate_config NAME|FILE (recipes/accelerate/NAME.yaml) may be mixed in: the command then runs "
+          "under accelerate launch.")
     return 0

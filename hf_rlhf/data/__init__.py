@@ -8,7 +8,7 @@
     streaming.py     streamed (`IterableDataset`) data: first-row look-ahead, lazy validation and over-long policy
     raw_files.py     .json / .jsonl files read as written before `datasets` loads them (file errors with the line)
 
-Both entry points take a `DataOptions` (`hf_rlhf.configs`): a trainer config, which is one, or a plain
+Both entry points take a `DataOptions` (`hf_rlhf.data.options`): a trainer config, which is one, or a plain
 `DataOptions(...)`. Every row is validated before anything is tokenized, so a bad row fails in seconds with
 its index and field instead of hours into training; a streamed dataset's rows are validated as they stream,
 just before each is tokenized, with the same checks and errors.

@@ -27,7 +27,7 @@ import json
 from datasets import Dataset
 from trl.data_utils import extract_prompt, is_conversational
 
-from ..configs import DataOptions
+from .options import DataOptions
 from .preference import (
     PreferenceDataOptions,
     check_preference_row,

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from functools import partial
 from numbers import Real
 
-from ..configs import DataOptions, PreferenceDataOptions
 from .chatml import chat_template_row_kwargs
+from .options import DataOptions, PreferenceDataOptions
+from .streaming import first_rows, is_streamed, stream_columns, tokenize_rows
 from .tokenization import (
     BOUNDARY_COLUMN,
     check_chat_template,
@@ -38,7 +39,6 @@ from .tokenization import (
     special_prefix,
     tokenize_prompt_completion,
 )
-from .streaming import first_rows, is_streamed, stream_columns, tokenize_rows
 from .validation import (
     ABSENT,
     MISSING,

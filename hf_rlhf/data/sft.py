@@ -19,14 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from ..configs import DataOptions, SFTDataOptions
 from .chatml import chat_template_row_kwargs
+from .options import DataOptions, SFTDataOptions
+from .streaming import first_rows, is_streamed, stream_length_policy, tokenize_rows
 from .tokenization import (
-    apply_length_policy,
     BOUNDARY_COLUMN,
+    apply_length_policy,
     check_chat_template,
-    common_prefix_length,
     check_overlong_policy,
+    common_prefix_length,
     eos_token_id,
     map_rows,
     prompt_completion_texts,
@@ -35,7 +36,6 @@ from .tokenization import (
     tokenize_prompt_completion,
     with_eos,
 )
-from .streaming import first_rows, is_streamed, stream_length_policy, tokenize_rows
 from .validation import (
     ABSENT,
     DataValidationError,

@@ -10,7 +10,7 @@ token comes from the returned ids). A forward pre-hook on the LM head keeps what
 
 The decode computes one position at a time against a KV cache, the trainer's forward the whole sequence at once:
 the same math, other kernel shapes, so the two agree to float rounding, not bit for bit (the trainer checks this
-on its first rollout, `hf_rlhf.ppo.rollout`).
+on its first rollout, `hf_rlhf.rollout.rollout_maker`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..reward_models import unwrap_peft
+from ..models.adapters import unwrap_peft
 
 
 class DecodeCapture:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..models.adapters import unwrap_peft
 from ..tensors import prompt_groups
-from ..reward_models import unwrap_peft
 from .capture import DecodeCapture
 
 logger = logging.getLogger("hf_rlhf")
@@ -323,8 +323,7 @@ class LeanDecodeEngine(GenerationEngine):
     def _plan(self, base, query_ids, kwargs):
         """(generation config as `generate` resolves it, its logits processors), or a ValueError naming what `lean`
         does not implement."""
-        from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                            TopPLogitsWarper)
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         check_lean_options({k: v for k, v in kwargs.items() if k not in LEAN_OPTIONS})
         config, model_kwargs = base._prepare_generation_config(None, **kwargs)

@@ -5,7 +5,7 @@ The reward adapter is what `RewardTrainer` saves for a LoRA reward model trained
 model, whose `score` peft saves through `modules_to_save`) or next to it in `value_head.safetensors` (a
 `ValueHeadModel`). Its LoRA weights are loaded as a second, frozen adapter ("reward") of the policy's `PeftModel`;
 its head is applied to the base's last hidden states (after the final norm, as in `LlamaForSequenceClassification`)
-with the reward adapter active, switched in and out with `hf_rlhf.adapters.adapter_scope`.
+with the reward adapter active, switched in and out with `hf_rlhf.models.adapters.adapter_scope`.
 
 The reward is only that of the trained reward model if the policy's base has the weights the reward adapter was
 trained on (the usual chain: SFT checkpoint -> reward adapter on it; PPO from the same SFT checkpoint). Not tested
@@ -26,8 +26,8 @@ from peft.utils import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import load_file
 from torch import nn
 
-from ..adapters import adapter_scope, set_adapter_requires_grad
-from ..reward_models import VALUE_HEAD_FILE, backbone_of, gather_last_token_scores, load_reward_stats, unwrap_peft
+from ..models.adapters import adapter_scope, set_adapter_requires_grad, unwrap_peft
+from ..models.value_head import VALUE_HEAD_FILE, backbone_of, gather_last_token_scores, load_reward_stats
 from .base import TokenizedReward
 
 logger = logging.getLogger("hf_rlhf")

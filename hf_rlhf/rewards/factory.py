@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import AutoTokenizer
 
-from ..reward_models import load_reward_stats, reward_config_of
+from ..models.value_head import load_reward_stats, reward_config_of
 from .adapter import RewardAdapter, attach_reward_adapter
 from .base import FunctionReward
 from .http_client import HTTPReward

@@ -29,10 +29,16 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import CONFIG_NAME, cached_file
 
-from ..configs import ModelConfig
-from ..models import load_model, resolve_dtype
-from ..reward_models import (VALUE_HEAD_FILE, ValueHeadModel, find_score_head, get_rewards, load_reward_stats,
-                             reward_config_of)
+from ..models.loading import load_model, resolve_dtype
+from ..models.value_head import (
+    VALUE_HEAD_FILE,
+    ValueHeadModel,
+    find_score_head,
+    get_rewards,
+    load_reward_stats,
+    reward_config_of,
+)
+from ..trainers.model_config import ModelConfig
 from .adapter import score_head_key
 from .base import TokenizedReward
 

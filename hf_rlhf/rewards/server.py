@@ -27,7 +27,7 @@ logger = logging.getLogger("hf_rlhf")
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: "_Server"
+    server: _Server
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         length = int(self.headers.get("Content-Length") or 0)
@@ -80,7 +80,7 @@ class RewardServer:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}/"
 
-    def start(self) -> "RewardServer":
+    def start(self) -> RewardServer:
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True)
         self._thread.start()
@@ -92,7 +92,7 @@ class RewardServer:
             self._thread.join(timeout=5)
         self._server.server_close()
 
-    def __enter__(self) -> "RewardServer":
+    def __enter__(self) -> RewardServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

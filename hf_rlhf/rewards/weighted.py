@@ -53,7 +53,7 @@ class WeightedRewards:
         self.weights = torch.tensor(weights, dtype=torch.float32)
         self.sources, self.last = None, None
 
-    def build(self, reward_processing_class=None, **source_kwargs) -> "WeightedRewards":
+    def build(self, reward_processing_class=None, **source_kwargs) -> WeightedRewards:
         """Build each source (`build_reward_source(func, tokenizer, **source_kwargs)`); returns self."""
         self.sources = [build_reward_source(f, t or reward_processing_class, **source_kwargs)
                         for f, t in zip(self.funcs, self.tokenizers)]

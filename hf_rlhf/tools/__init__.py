@@ -2,7 +2,7 @@
 bounded thread pool, and the masks that keep the environment's tokens in the context but out of the loss.
 
 `masks` is math (torch only); `parsing` and `execution` are data-layer helpers (tokenizer, Python callables). The
-turn loop that uses them lives in `hf_rlhf.ppo.multiturn`.
+turn loop that uses them lives in `hf_rlhf.rollout.multiturn`.
 """
 
 from .execution import ToolRunner, tool_dict

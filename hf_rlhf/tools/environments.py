@@ -10,7 +10,7 @@ message. Unlike TRL, a dict of several named environments is not supported (one 
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 from .execution import tool_dict
 

@@ -16,7 +16,7 @@ import asyncio
 import inspect
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def tool_dict(tools) -> dict[str, Callable]:

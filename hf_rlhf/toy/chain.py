@@ -236,7 +236,7 @@ def prepare_toy_base(model_config, training_args, size: str, seed: int, reward: 
     Returns:
         (model, tokenizer).
     """
-    from ..models import load_model
+    from ..models.loading import load_model
     from .models import build_toy_model, build_toy_reward_model
     from .tokenizer import build_toy_tokenizer, build_toy_tool_tokenizer
 

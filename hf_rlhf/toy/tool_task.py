@@ -20,7 +20,7 @@ import json
 import math
 import random
 
-from ..ppo.multiturn import greedy_tool_completions
+from ..rollout.multiturn import greedy_tool_completions
 
 
 def add(a: int, b: int) -> int:

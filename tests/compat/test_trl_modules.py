@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-
 TRL_TESTS = os.environ.get("HF_RLHF_TRL_TESTS")
 
 

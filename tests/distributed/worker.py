@@ -177,11 +177,26 @@ def common_args(out: str, steps: int, per_device: int) -> dict:
 
 def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path: str | None = None,
                   generation_backend: str = "generate"):
-    from hf_rlhf import (DPOConfig, DPOTrainer, ModelConfig, PPOConfig, PPOTrainer, RewardConfig, RewardTrainer,
-                         SFTConfig, SFTTrainer)
+    from hf_rlhf import (
+        DPOConfig,
+        DPOTrainer,
+        ModelConfig,
+        PPOConfig,
+        PPOTrainer,
+        RewardConfig,
+        RewardTrainer,
+        SFTConfig,
+        SFTTrainer,
+    )
     from hf_rlhf.callbacks import PlotCallback, SampleCompletionsCallback
-    from hf_rlhf.toy import (build_toy_model, build_toy_reward_model, build_toy_tokenizer, preference_dataset,
-                             prompt_dataset, sft_dataset)
+    from hf_rlhf.toy import (
+        build_toy_model,
+        build_toy_reward_model,
+        build_toy_tokenizer,
+        preference_dataset,
+        prompt_dataset,
+        sft_dataset,
+    )
 
     tokenizer = build_toy_tokenizer()
     common = common_args(out, steps, per_device)
@@ -274,7 +289,7 @@ def run_task(spec: str, out: str, steps: int, global_batch: int, policy_path: st
     trainer.save_model()
     trainer.save_state()
 
-    from hf_rlhf.ppo.callbacks import KLControllerCallback, find_callback
+    from hf_rlhf.training.state_callbacks import KLControllerCallback, find_callback
 
     kl = find_callback(trainer.callback_handler, KLControllerCallback)
     rank = trainer.args.process_index

@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
-import hf_rlhf.models
-from hf_rlhf.data import DataFileError, DataValidationError
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.ppo.loader import prepare_prompt_dataset
+import hf_rlhf.models.loading
 from hf_rlhf.cli.errors import RecipeOptionError
+from hf_rlhf.data import DataFileError, DataValidationError
+from hf_rlhf.rollout.loader import prepare_prompt_dataset
+from hf_rlhf.trainers.ppo_config import PPOConfig
 from recipes import ppo as ppo_recipe
 from recipes import reward as reward_recipe
 from recipes import sft as sft_recipe
@@ -39,7 +39,7 @@ def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise ModelLoaded("a model was loaded before the input error")
 
-    monkeypatch.setattr(hf_rlhf.models, "load_model", refuse)
+    monkeypatch.setattr(hf_rlhf.models.loading, "load_model", refuse)
     monkeypatch.setattr(reward_recipe, "RewardTrainer", refuse)
     monkeypatch.setattr(ppo_recipe, "PPOTrainer", refuse)
 
@@ -135,7 +135,7 @@ def test_text_the_tokenizer_cannot_represent_warns_or_errors_when_strict(tmp_pat
     rows = [*GOOD_SFT, {"prompt": UNKNOWN, "completion": "3"}]
     data = write_jsonl(tmp_path / "unk.jsonl", rows)
     loaded = []
-    monkeypatch.setattr(hf_rlhf.models, "load_model", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(
+    monkeypatch.setattr(hf_rlhf.models.loading, "load_model", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(
         ModelLoaded("reached the model")))
     with caplog.at_level(logging.WARNING, logger="hf_rlhf"), pytest.raises(ModelLoaded):
         sft(tmp_path, data, tiny_model_dir)

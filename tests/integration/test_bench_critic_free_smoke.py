@@ -93,7 +93,7 @@ def test_critic_free_bench_long_prompts_beta_zero(tmp_path):
 def test_every_configurations_options_are_ppo_options(tmp_path):
     """The hf_rlhf configurations that differ by options (`OPTIONS`: prefix_sharing, group_by_length off) pass
     options that PPOConfig takes and keeps (a renamed option would stop the bench only after minutes of others)."""
-    from hf_rlhf.ppo.config import PPOConfig
+    from hf_rlhf.trainers.ppo_config import PPOConfig
 
     bench = load_bench()
     assert set(bench.OPTIONS) == {"hf_rlhf_grpo_unshared", "hf_rlhf_grpo_ungrouped"}

@@ -131,7 +131,7 @@ def test_the_console_scripts_point_at_the_commands():
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
-    assert scripts == {"hf-rlhf": "hf_rlhf.cli.main:main", "hf-rlhf-merge": "hf_rlhf.merge:main"}
+    assert scripts == {"hf-rlhf": "hf_rlhf.cli.main:main", "hf-rlhf-merge": "hf_rlhf.models.merge:main"}
     for target in scripts.values():
         module, _, name = target.partition(":")
         assert callable(getattr(importlib.import_module(module), name))
@@ -171,7 +171,7 @@ def test_ppo_help_groups_the_options_by_config_class(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: hf-rlhf ppo ")
     headings = ["ScriptArguments (recipes.ppo):", "ToyChainArguments (hf_rlhf.toy.chain):",
-                "ModelConfig (hf_rlhf.configs):", "PPOConfig (hf_rlhf.ppo.config):"]
+                "ModelConfig (hf_rlhf.trainers):", "PPOConfig (hf_rlhf.trainers.ppo_config):"]
     at = [out.index(h) for h in headings]
     assert at == sorted(at)
     listed = {opt: out.index(f"\n  {opt} ") for opt in ("--reward_model_path", "--build_missing", "--lora_r",

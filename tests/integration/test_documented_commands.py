@@ -3,7 +3,7 @@
 The commands are read from where a user reads them: the README's ```bash blocks, the usage lines of the recipes'
 and the command line's docstrings, the `#` headers of recipes/configs/ and recipes/accelerate/, and the commands
 `hf-rlhf chain` prints at its end. Each is run in this process through the code it names (the recipe's `main()`,
-`hf_rlhf.cli.main`, `hf_rlhf.merge.main`; `accelerate launch`'s own options are parsed by accelerate's parser, and
+`hf_rlhf.cli.main`, `hf_rlhf.models.merge.main`; `accelerate launch`'s own options are parsed by accelerate's parser, and
 one process is what it would start) with options appended that make it a few steps of the tiny toy model, the
 outputs under a temporary folder and the toy SFT policy and reward model prebuilt there.
 
@@ -129,7 +129,7 @@ def resolve(command: str) -> tuple[str, str | None, list[str], list[str]]:
         return "merge", None, tokens[2:], launch_args
     if tokens[0] == "hf-rlhf":
         return "cli", None, tokens[1:], launch_args
-    if tokens[:3] == ["python", "-m", "hf_rlhf.merge"]:
+    if tokens[:3] == ["python", "-m", "hf_rlhf.models.merge"]:
         return "merge", None, tokens[3:], launch_args
     if tokens[:3] == ["python", "-m", "hf_rlhf.cli"]:
         return "cli", None, tokens[3:], launch_args
@@ -219,11 +219,11 @@ def test_documented_command_runs(where, command, tmp_path, monkeypatch, prebuilt
     out = str(tmp_path / "out")
 
     if kind == "merge":
-        import hf_rlhf.merge
+        import hf_rlhf.models.merge
 
         merged = []
-        monkeypatch.setattr(hf_rlhf.merge, "merge_adapter", lambda *a: merged.append(a))
-        hf_rlhf.merge.main(args)
+        monkeypatch.setattr(hf_rlhf.models.merge, "merge_adapter", lambda *a: merged.append(a))
+        hf_rlhf.models.merge.main(args)
         assert merged and merged[0][:2] == (args[args.index("--adapter") + 1], args[args.index("--output") + 1])
         return
 

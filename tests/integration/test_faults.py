@@ -20,13 +20,13 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import TrainerState
 
-import hf_rlhf.checkpoints as checkpoints
+import hf_rlhf.training.checkpoints as checkpoints
 from hf_rlhf import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
-from hf_rlhf.checkpoints import checkpoint_problem, latest_complete_checkpoint
-from hf_rlhf.nonfinite import NonFiniteError
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.trainers.ppo import PPOTrainer
 from hf_rlhf.toy import build_toy_model, build_toy_reward_model, preference_dataset, sft_dataset
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
+from hf_rlhf.training.checkpoints import checkpoint_problem, latest_complete_checkpoint
+from hf_rlhf.training.nonfinite import NonFiniteError
 
 pytestmark = pytest.mark.integration
 

@@ -12,12 +12,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from hf_rlhf.checkpoints import checkpoint_problem, latest_complete_checkpoint
-from hf_rlhf.ppo.config import PPOConfig
 from hf_rlhf.rewards.base import RewardError
 from hf_rlhf.rewards.http_client import HTTPReward
 from hf_rlhf.toy import build_toy_model, prompt_dataset
-from hf_rlhf.trainers.ppo import PPOTrainer
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
+from hf_rlhf.training.checkpoints import checkpoint_problem, latest_complete_checkpoint
 
 pytestmark = pytest.mark.integration
 

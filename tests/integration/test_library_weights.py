@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_rlhf.models import load_weights
-from hf_rlhf.reward_models import disable_dropout
+from hf_rlhf.models.loading import disable_dropout, load_weights
 from hf_rlhf.toy import build_toy_model
 
 pytestmark = pytest.mark.integration

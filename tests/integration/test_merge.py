@@ -1,4 +1,4 @@
-"""hf_rlhf.merge on peft's AutoPeftModel: the same merged weights as base + PeftModel + merge_and_unload."""
+"""hf_rlhf.models.merge on peft's AutoPeftModel: the same merged weights as base + PeftModel + merge_and_unload."""
 
 import os
 import shutil
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from hf_rlhf.merge import load_merged, main, merge_adapter
+from hf_rlhf.models.merge import load_merged, main, merge_adapter
 from hf_rlhf.toy import build_toy_model
 
 pytestmark = pytest.mark.integration

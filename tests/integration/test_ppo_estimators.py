@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_rlhf.ppo.config import PPOConfig
 from hf_rlhf.toy import build_toy_model, build_toy_reward_model
-from hf_rlhf.trainers.ppo import PPOTrainer
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 

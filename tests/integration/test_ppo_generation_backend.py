@@ -8,7 +8,7 @@ import pytest
 from test_ppo_trainer import _resume_trainer, digit_reward, make_args, step_logs
 
 from hf_rlhf.toy import build_toy_model, build_toy_reward_model
-from hf_rlhf.trainers.ppo import PPOTrainer
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 
@@ -73,8 +73,8 @@ def test_lean_backend_logs_what_generate_logs(tmp_path, tokenizer, prompts, esti
 # -- logprobs_from_generation: the old log-probs and the value head's values read off the decoding -------------------
 def _rollout_forwards(monkeypatch):
     """Counts the rollout's policy forwards (`response_logits` on the trained `PolicyAndValue`, not the reference)."""
-    import hf_rlhf.ppo.rollout as rollout
-    from hf_rlhf.ppo.policy_value import PolicyAndValue
+    import hf_rlhf.rollout.rollout_maker as rollout
+    from hf_rlhf.models.policy_value import PolicyAndValue
 
     calls, original = [], rollout.response_logits
 

@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.ppo.critic_free import informative_groups
+from hf_rlhf.rl.critic_free import informative_groups
 from hf_rlhf.toy import build_toy_model, prompt_dataset
-from hf_rlhf.trainers.ppo import PPOTrainer
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 

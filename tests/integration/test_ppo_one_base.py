@@ -1,5 +1,5 @@
 """PPO with the four roles on one frozen base: policy adapter, value adapter + head, reward adapter + score head,
-reference = adapters off (`hf_rlhf.rewards.adapter`, `hf_rlhf.ppo.value_adapter`), in full precision and 4-bit."""
+reference = adapters off (`hf_rlhf.rewards.adapter`, `hf_rlhf.models.value_adapter`), in full precision and 4-bit."""
 
 import os
 import shutil
@@ -10,14 +10,14 @@ from torch.testing import assert_close
 from transformers import AutoModelForSequenceClassification
 
 from hf_rlhf import ModelConfig, RewardConfig, RewardTrainer
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.adapters import adapter_scope
-from hf_rlhf.ppo.value_adapter import VALUE_ADAPTER
+from hf_rlhf.models.adapters import adapter_scope
+from hf_rlhf.models.value_adapter import VALUE_ADAPTER
+from hf_rlhf.models.value_head import ValueHeadModel, backbone_of
 from hf_rlhf.rewards.adapter import REWARD_ADAPTER, AdapterReward, RewardAdapter
 from hf_rlhf.rewards.model import ModelReward
-from hf_rlhf.reward_models import ValueHeadModel, backbone_of
 from hf_rlhf.toy import build_toy_model, preference_dataset, prompt_dataset
-from hf_rlhf.trainers.ppo import PPOTrainer
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,9 @@ import glob
 import pytest
 import torch
 
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.trainers.ppo import PPOTrainer
 from hf_rlhf.toy import build_toy_model
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 

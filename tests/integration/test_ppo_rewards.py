@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from hf_rlhf.ppo.config import PPOConfig
 from hf_rlhf.rewards.base import RewardError
 from hf_rlhf.rewards.http_client import HTTPReward
 from hf_rlhf.rewards.server import RewardServer
 from hf_rlhf.toy import build_toy_model
-from hf_rlhf.trainers.ppo import PPOTrainer
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 

@@ -12,10 +12,10 @@ import torch
 from datasets import Dataset
 
 from hf_rlhf.generation.engines import GenerateEngine, GenerationEngine
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.toy import build_toy_model, build_toy_tool_tokenizer
 from hf_rlhf.tools import tool_suffix_ids
-from hf_rlhf.trainers.ppo import PPOTrainer
+from hf_rlhf.toy import build_toy_model, build_toy_tool_tokenizer
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 

@@ -9,16 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
 from hf_rlhf.data import DataValidationError
-from hf_rlhf.ppo.config import PPOConfig
 from hf_rlhf.rewards import RewardError
-from hf_rlhf.trainers.ppo import PPOTrainer
-from hf_rlhf.toy import (
-    build_toy_model,
-    build_toy_reward_model,
-    prompt_dataset,
-    reward_fn,
-    sft_dataset,
-)
+from hf_rlhf.toy import build_toy_model, build_toy_reward_model, prompt_dataset, reward_fn, sft_dataset
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_rlhf import ModelConfig
-from hf_rlhf.models import apply_lora, load_model
+from hf_rlhf.models.loading import apply_lora, load_model
 from hf_rlhf.toy import build_toy_model
 
 pytestmark = pytest.mark.integration

@@ -15,9 +15,9 @@ import pytest
 from datasets import DatasetDict
 
 from hf_rlhf import SFTTrainer
-from hf_rlhf.ppo.config import PPOConfig  # noqa: F401  (the recipes' config, imported for the parser's types)
 from hf_rlhf.cli.resume import resume_argument
 from hf_rlhf.toy import prompt_dataset, sft_dataset
+from hf_rlhf.trainers.ppo_config import PPOConfig  # noqa: F401  (the recipes' config, imported for the parser's types)
 from recipes import ppo as ppo_recipe
 from recipes import reward as reward_recipe
 from recipes import sft as sft_recipe

@@ -11,13 +11,18 @@ from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from hf_rlhf import ModelConfig, RewardConfig, RewardTrainer
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.reward_models import ValueHeadModel, load_reward_stats
+from hf_rlhf.models.value_head import ValueHeadModel, load_reward_stats
 from hf_rlhf.rewards.factory import build_reward_source
-from hf_rlhf.rewards.model import (SEQUENCE_CLASSIFICATION, SEQUENCE_CLASSIFICATION_ADAPTER, VALUE_HEAD, ModelReward,
-                                   reward_model_kind)
+from hf_rlhf.rewards.model import (
+    SEQUENCE_CLASSIFICATION,
+    SEQUENCE_CLASSIFICATION_ADAPTER,
+    VALUE_HEAD,
+    ModelReward,
+    reward_model_kind,
+)
 from hf_rlhf.toy import build_toy_model, build_toy_reward_model, preference_dataset
-from hf_rlhf.trainers.ppo import PPOTrainer
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ import os
 import pytest
 from transformers import AutoModelForSequenceClassification
 
-from hf_rlhf.reward_models import load_reward_stats
+from hf_rlhf.models.value_head import load_reward_stats
 from recipes import reward as recipe
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 from transformers import AutoModelForSequenceClassification
 
 from hf_rlhf import ModelConfig, RewardConfig, RewardTrainer
-from hf_rlhf.reward_models import ValueHeadModel, get_rewards, load_reward_stats
+from hf_rlhf.models.value_head import ValueHeadModel, get_rewards, load_reward_stats
 from hf_rlhf.toy import build_toy_model, build_toy_reward_model, preference_dataset
 
 pytestmark = pytest.mark.integration

@@ -99,7 +99,7 @@ def test_padding_free_loss_equals_padded_loss(tmp_path, tokenizer, train_rows):
 def test_lora_trains_only_adapters_saves_reloads_and_merges(tmp_path, tokenizer, train_rows):
     from peft import PeftModel
 
-    from hf_rlhf.merge import merge_adapter
+    from hf_rlhf.models.merge import merge_adapter
 
     base_dir = str(tmp_path / "base")
     build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(base_dir)
@@ -134,7 +134,7 @@ def test_lora_trains_only_adapters_saves_reloads_and_merges(tmp_path, tokenizer,
 def test_merge_cli_writes_a_plain_model(tmp_path, tokenizer):
     from peft import LoraConfig, get_peft_model
 
-    from hf_rlhf.merge import main
+    from hf_rlhf.models.merge import main
 
     base_dir, adapter_dir, out = (str(tmp_path / d) for d in ("base", "adapter", "merged"))
     build_toy_model(tokenizer, "tiny").save_pretrained(base_dir)
@@ -153,7 +153,7 @@ def test_qlora_nf4_double_quant_trains_saves_and_reloads(tmp_path, tokenizer, tr
     bnb = pytest.importorskip("bitsandbytes")
     from peft import PeftModel
 
-    from hf_rlhf.models import load_model
+    from hf_rlhf.models.loading import load_model
 
     base_dir = str(tmp_path / "base")
     build_toy_model(tokenizer, "tiny", seed=0).save_pretrained(base_dir)

@@ -20,9 +20,9 @@ from peft import (
 from transformers import TrainingArguments
 
 from hf_rlhf import DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.trainers.ppo import PPOTrainer
 from hf_rlhf.toy import build_toy_model, build_toy_reward_model, preference_dataset, prompt_dataset, sft_dataset
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 

@@ -6,8 +6,14 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hf_rlhf.collators import LeftPaddingCollator, PackingCollator, PaddingCollator, position_ids_from_lengths
-from hf_rlhf.collators import packing, padding
+from hf_rlhf.collators import (
+    LeftPaddingCollator,
+    PackingCollator,
+    PaddingCollator,
+    packing,
+    padding,
+    position_ids_from_lengths,
+)
 
 
 def tensor(rows):

@@ -6,8 +6,9 @@ import doctest
 import torch
 from torch.testing import assert_close
 
-from hf_rlhf import preference_losses, tensors
-from hf_rlhf.preference_losses import (
+from hf_rlhf import tensors
+from hf_rlhf.losses import dpo as preference_losses
+from hf_rlhf.losses.dpo import (
     completion_logps,
     gathered_completion_logps,
     logits_to_keep_per_row,

@@ -96,7 +96,7 @@ def test_toy_yaml_supplies_defaults_unless_a_real_run_is_asked_for(tmp_path):
 def test_sft_config_is_the_data_options_prepare_sft_dataset_reads(tmp_path):
     from transformers import HfArgumentParser
 
-    from hf_rlhf.configs import DataOptions, SFTDataOptions
+    from hf_rlhf.data.options import DataOptions, SFTDataOptions
 
     (args,) = HfArgumentParser((SFTConfig,)).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--max_length", "64", "--overlong_policy", "drop", "--dataset_num_proc", "2"])
@@ -110,7 +110,7 @@ def test_sft_config_is_the_data_options_prepare_sft_dataset_reads(tmp_path):
 
 
 def test_data_options_are_checked_when_built(tmp_path):
-    from hf_rlhf.configs import DataOptions
+    from hf_rlhf.data.options import DataOptions
 
     with pytest.raises(ValueError, match=r"SFTConfig.overlong_policy='cut'; expected one of"):
         SFTConfig(output_dir=str(tmp_path), overlong_policy="cut")

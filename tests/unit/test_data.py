@@ -12,7 +12,6 @@ from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import PreTrainedTokenizerFast
 
-from hf_rlhf.configs import DataOptions, SFTConfig, SFTDataOptions
 from hf_rlhf.data import (
     DataValidationError,
     detect_format,
@@ -21,6 +20,8 @@ from hf_rlhf.data import (
     resolve_chat_template,
     validate_sft_dataset,
 )
+from hf_rlhf.data.options import DataOptions, SFTDataOptions
+from hf_rlhf.trainers.sft_config import SFTConfig
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 # ChatML with the assistant content and its end-of-turn inside {% generation %} markers.
@@ -617,7 +618,7 @@ import random  # noqa: E402
 from hf_rlhf import RewardConfig  # noqa: E402
 from hf_rlhf.data import prepare_preference_dataset  # noqa: E402
 from hf_rlhf.data.sft import build_labels  # noqa: E402
-from hf_rlhf.data.tokenization import (  # noqa: E402
+from hf_rlhf.data.tokenization import (
     PreEncodedTokenizer,
     backend_encodes_plainly,
     encode_plain_batch,

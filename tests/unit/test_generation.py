@@ -4,8 +4,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from hf_rlhf.generation import generate_completions
 from hf_rlhf.cli.evaluation import evaluate_completions
+from hf_rlhf.generation import generate_completions
 from hf_rlhf.toy import make_tasks, prompt_dataset, reward_fn
 from hf_rlhf.toy.chain import check_answers
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hf_rlhf.generation import GenerationOutput, build_engine
-from hf_rlhf.ppo import PPOConfig
 from hf_rlhf.toy import build_toy_model, make_tasks
+from hf_rlhf.trainers.ppo_config import PPOConfig
 
 
 @pytest.fixture(autouse=True)

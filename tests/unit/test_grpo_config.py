@@ -10,7 +10,7 @@ import trl
 from transformers import TrainingArguments
 
 from hf_rlhf import GRPOConfig, GRPOTrainer, PPOConfig
-from hf_rlhf.ppo.grpo_config import GENERATION_OPTIONS, IGNORED_AS_IN_TRL, REFUSED, TRL_NAMES
+from hf_rlhf.trainers.grpo_config import GENERATION_OPTIONS, IGNORED_AS_IN_TRL, REFUSED, TRL_NAMES
 
 TRAINING_ARGS = {f.name for f in dataclasses.fields(TrainingArguments)}
 SAME_NAME = {"num_generations", "temperature", "top_p", "top_k", "epsilon_high", "loss_type", "scale_rewards",

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.ppo.critic_free import informative_groups, truncated_loss_mask
-from hf_rlhf.ppo.losses import importance_log_weights, policy_loss_per_token
+from hf_rlhf.losses.ppo import importance_log_weights, policy_loss_per_token
+from hf_rlhf.rl.critic_free import informative_groups, truncated_loss_mask
+from hf_rlhf.trainers.ppo_config import PPOConfig
 
 
 def trl_per_token_loss(per_token_logps, old_per_token_logps, advantages, mask, epsilon_low, epsilon_high, level):

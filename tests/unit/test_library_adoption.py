@@ -9,7 +9,7 @@ from transformers import HfArgumentParser
 
 from hf_rlhf import ModelConfig
 from hf_rlhf.collators.padding import pad_sequences
-from hf_rlhf.models import lora_config, quantization_config
+from hf_rlhf.models.loading import lora_config, quantization_config
 
 
 def _parse(*argv):
@@ -76,7 +76,7 @@ def _hand_built_bnb(mc):
     """What `quantization_config` built by hand before it went through trl.get_quantization_config."""
     from transformers import BitsAndBytesConfig
 
-    from hf_rlhf.models import resolve_dtype
+    from hf_rlhf.models.loading import resolve_dtype
 
     if mc.load_in_8bit:
         return BitsAndBytesConfig(load_in_8bit=True)

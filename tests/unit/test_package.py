@@ -18,7 +18,7 @@ def test_public_names_import_without_optional_extras():
         "from hf_rlhf import (SFTTrainer, SFTConfig, RewardTrainer, RewardConfig, ModelConfig,\n"
         "                     AdaptiveKLController, FixedKLController, PPOTrainer, PPOConfig)\n"
         "from hf_rlhf.collators import PackingCollator, LeftPaddingCollator, PairwiseCollator\n"
-        "from hf_rlhf.models import quantization_config\n"
+        "from hf_rlhf.models.loading import quantization_config\n"
         "try:\n"
         "    quantization_config(ModelConfig(use_peft=True, load_in_4bit=True))\n"
         "except ImportError as e:\n"

@@ -5,8 +5,7 @@ import doctest
 import pytest
 import torch
 
-from hf_rlhf.collators import PairwiseCollator
-from hf_rlhf.collators import pairwise
+from hf_rlhf.collators import PairwiseCollator, pairwise
 from hf_rlhf.collators.pairwise import prefix_sharing_mask, shared_prefix_length
 
 PAIRS = [

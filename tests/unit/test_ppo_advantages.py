@@ -1,10 +1,10 @@
-"""Per-token rewards and GAE (`hf_rlhf.ppo.advantages`), against hand-computed tensors."""
+"""Per-token rewards and GAE (`hf_rlhf.rl.advantages`), against hand-computed tensors."""
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-from hf_rlhf.ppo import gae, per_token_rewards
+from hf_rlhf.rl.advantages import gae, per_token_rewards
 
 INF = float("inf")
 

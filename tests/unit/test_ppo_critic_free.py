@@ -1,4 +1,4 @@
-"""Critic-free advantages and loss aggregation (`hf_rlhf.ppo.critic_free`): by hand, and against TRL 1.16 / OpenRLHF.
+"""Critic-free advantages and loss aggregation (`hf_rlhf.rl.critic_free`): by hand, and against TRL 1.16 / OpenRLHF.
 
 The reference expressions are transcribed from TRL 1.16.0 (installed; its `nanstd` is called as is) and from
 OpenRLHF at commit 3c3be6234e0cb353e76bb8019947db9dfe99fca7 (not installed: it pins deepspeed / vllm), each with
@@ -13,15 +13,15 @@ import torch
 from torch.testing import assert_close
 from trl.trainer.utils import nanstd
 
-from hf_rlhf.ppo import (
+from hf_rlhf.rl.critic_free import (
     aggregate_loss,
     broadcast_to_tokens,
     grpo_advantages,
-    kl_penalty,
     reinforce_pp_advantages,
     rloo_advantages,
     whiten_advantages,
 )
+from hf_rlhf.rl.kl import kl_penalty
 
 SCORES = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 4.0], dtype=torch.float64)  # two prompts, G = 3
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hf_rlhf.ppo import gae, grpo_advantages, per_token_rewards, reinforce_pp_advantages, rloo_advantages
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.ppo.estimators import estimate_advantages
-from hf_rlhf.ppo.experience import Experience
-from hf_rlhf.ppo.loader import ExperienceLoader
+from hf_rlhf.rl.advantages import gae, per_token_rewards
+from hf_rlhf.rl.critic_free import grpo_advantages, reinforce_pp_advantages, rloo_advantages
+from hf_rlhf.rl.estimators import estimate_advantages
+from hf_rlhf.rollout.experience import Experience
+from hf_rlhf.rollout.loader import ExperienceLoader
 from hf_rlhf.tensors import masked_whiten
+from hf_rlhf.trainers.ppo_config import PPOConfig
 
 
 def _options(**kw):

@@ -1,4 +1,4 @@
-"""KL estimators and KL controllers (`hf_rlhf.ppo.kl`), against hand values and a toy closed loop."""
+"""KL estimators and KL controllers (`hf_rlhf.rl.kl`), against hand values and a toy closed loop."""
 
 import json
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hf_rlhf.ppo import AdaptiveKLController, FixedKLController, kl_penalty
+from hf_rlhf.rl.kl import AdaptiveKLController, FixedKLController, kl_penalty
 
 LOGP = torch.tensor([[math.log(0.5)]])
 REF = torch.tensor([[math.log(0.25)]])
@@ -50,7 +50,7 @@ def test_k3_is_clamped_as_openrlhf_and_only_k3():
 
 
 def test_ppo_config_kl_clamp_is_checked():
-    from hf_rlhf.ppo.config import PPOConfig
+    from hf_rlhf.trainers.ppo_config import PPOConfig
 
     assert PPOConfig(output_dir="out", report_to="none").kl_clamp == 10.0
     with pytest.raises(ValueError, match="kl_clamp must be > 0 or None"):

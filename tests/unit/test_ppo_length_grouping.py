@@ -7,9 +7,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.ppo.experience import Experience
-from hf_rlhf.ppo.loader import ExperienceLoader, group_steps_by_length, length_keys
+from hf_rlhf.rollout.experience import Experience
+from hf_rlhf.rollout.loader import ExperienceLoader, group_steps_by_length, length_keys
+from hf_rlhf.trainers.ppo_config import PPOConfig
 
 
 def test_group_steps_by_length_by_hand():

@@ -1,4 +1,4 @@
-"""Clipped policy and value losses of PPO (`hf_rlhf.ppo.losses`), against hand-computed tensors."""
+"""Clipped policy and value losses of PPO (`hf_rlhf.losses.ppo`), against hand-computed tensors."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hf_rlhf.ppo import policy_loss, value_loss
+from hf_rlhf.losses.ppo import policy_loss, value_loss
 from hf_rlhf.tensors import masked_mean
 
 MASK = torch.tensor([[1, 1, 1, 1, 0]])

@@ -7,14 +7,15 @@ import logging
 import pytest
 from datasets import Dataset
 
-from hf_rlhf.configs import DataOptions, PreferenceDataOptions, RewardConfig
 from hf_rlhf.data import (
     DataValidationError,
     detect_preference_format,
     prepare_preference_dataset,
     validate_preference_dataset,
 )
+from hf_rlhf.data.options import DataOptions, PreferenceDataOptions
 from hf_rlhf.toy import build_toy_tokenizer
+from hf_rlhf.trainers.reward_config import RewardConfig
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The DPO-family losses (`hf_rlhf.preference_losses`) against TRL 1.16's own code on identical random tensors.
+"""The DPO-family losses (`hf_rlhf.losses.dpo`) against TRL 1.16's own code on identical random tensors.
 
 TRL computes its losses inside `DPOTrainer._compute_loss`, not in a separate function: the test calls that method
 itself on a stand-in `self` (the attributes it reads) and a stand-in model whose output carries the per-token
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import trl
 
-from hf_rlhf.preference_losses import (
+from hf_rlhf.losses.dpo import (
     TRL_DPO_LOSS_TYPES,
     combined_loss,
     completion_logps,

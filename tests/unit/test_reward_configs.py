@@ -86,7 +86,7 @@ def test_reward_config_is_the_data_options_prepare_preference_dataset_reads(tmp_
 
     from transformers import HfArgumentParser
 
-    from hf_rlhf.configs import DataOptions, PreferenceDataOptions
+    from hf_rlhf.data.options import DataOptions, PreferenceDataOptions
 
     (args,) = HfArgumentParser((RewardConfig,)).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--max_length", "64", "--use_margin", "true"])

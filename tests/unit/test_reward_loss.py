@@ -1,4 +1,4 @@
-"""Pairwise reward loss, metrics and last-token gathering (`hf_rlhf.losses`, `hf_rlhf.reward_models`), by hand."""
+"""Pairwise reward loss, metrics and last-token gathering (`hf_rlhf.losses`, `hf_rlhf.models.value_head`), by hand."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hf_rlhf.losses import pairwise_metric_sums, pairwise_reward_loss
-from hf_rlhf.reward_models import gather_last_token_scores, last_token_columns
+from hf_rlhf.losses.reward import pairwise_metric_sums, pairwise_reward_loss
+from hf_rlhf.models.value_head import gather_last_token_scores, last_token_columns
 from hf_rlhf.tensors import last_token_index_packed
 
 CHOSEN = [1.0, 0.5, -0.2]

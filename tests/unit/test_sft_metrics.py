@@ -7,7 +7,7 @@ from torch.testing import assert_close
 
 from hf_rlhf.collators import PackingCollator
 from hf_rlhf.trainers.metrics import real_token_count
-from hf_rlhf.trainers.sft import packed_real_token_count, token_accuracy_counts, token_entropy_sum
+from hf_rlhf.trainers.sft_trainer import packed_real_token_count, token_accuracy_counts, token_entropy_sum
 
 
 def test_entropy_sum_over_loss_tokens_only():

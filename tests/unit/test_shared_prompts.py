@@ -1,8 +1,8 @@
-"""`hf_rlhf.ppo.shared_prompts.shared_prompt_layout`: hand-computed layouts, masks and gathers."""
+"""`hf_rlhf.rollout.shared_prompts.shared_prompt_layout`: hand-computed layouts, masks and gathers."""
 
 import torch
 
-from hf_rlhf.ppo.shared_prompts import shared_prompt_layout
+from hf_rlhf.rollout.shared_prompts import shared_prompt_layout
 
 
 def test_distinct_prompts_have_nothing_to_share():

@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from hf_rlhf.ppo.multiturn import ToolRollout
-from hf_rlhf.toy import build_toy_tokenizer, build_toy_tool_tokenizer
+from hf_rlhf.rollout.multiturn import ToolRollout
 from hf_rlhf.tools import ToolRunner, check_tool_tokenizer, pack_turns, parse_turn, tool_dict, tool_suffix_ids
 from hf_rlhf.tools import execution as execution_module
+from hf_rlhf.toy import build_toy_tokenizer, build_toy_tool_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,7 @@ def test_loop_limits_and_budget(tool_tokenizer):
 
 # -- rollout_func output -----------------------------------------------------------------------------
 def test_rollout_func_output_becomes_the_rollout(tool_tokenizer):
-    from hf_rlhf.ppo.multiturn import rollout_func_sample
+    from hf_rlhf.rollout.multiturn import rollout_func_sample
 
     eos = tool_tokenizer.eos_token_id
     output = {"prompt_ids": [[1, 5, 6], [1, 7]], "completion_ids": [[8, 9, 10, eos], [11, 12]],

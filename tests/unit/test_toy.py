@@ -24,10 +24,14 @@ from hf_rlhf.toy import (
     toy_model_config,
 )
 from hf_rlhf.toy.chain import (
-    ToyChainArguments, build_environment, build_with_recipe, check_answers, is_toy_run, toy_chain,
+    ToyChainArguments,
+    build_environment,
+    build_with_recipe,
+    check_answers,
+    is_toy_run,
+    toy_chain,
 )
 from hf_rlhf.toy.tasks import FAMILIES, slip_answer, task_of, wrong_answer
-
 
 # ---- tasks -------------------------------------------------------------------------------------
 

@@ -3,10 +3,16 @@ produces, its reward checks the final answer, and the greedy evaluation runs the
 
 import torch
 
-from hf_rlhf.toy import (build_toy_model, build_toy_tool_tokenizer, tool_exact_match, tool_prompt_dataset,
-                         tool_reward, tool_sft_dataset)
-from hf_rlhf.toy.tool_task import add
 from hf_rlhf.tools import tool_suffix_ids
+from hf_rlhf.toy import (
+    build_toy_model,
+    build_toy_tool_tokenizer,
+    tool_exact_match,
+    tool_prompt_dataset,
+    tool_reward,
+    tool_sft_dataset,
+)
+from hf_rlhf.toy.tool_task import add
 
 
 def test_demonstrations_are_what_a_rollout_produces():
@@ -105,8 +111,9 @@ def test_reward_reads_multiplication_prompts():
 def test_recipe_evaluation_calls_the_run_tools():
     """The PPO recipe's held-out evaluation with tools runs the turn loop: a policy that calls the tool scores, and
     the tool calls are counted; without tools its call is not run and scores nothing."""
-    from hf_rlhf.cli.evaluation import evaluate_completions
     from datasets import Dataset
+
+    from hf_rlhf.cli.evaluation import evaluate_completions
 
     tokenizer = build_toy_tool_tokenizer()
     rows = Dataset.from_list(list(tool_prompt_dataset(4, seed=5, digits=4)))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hf_rlhf.reward_models import ValueHeadModel, last_token_columns, new_value_head
+from hf_rlhf.models.value_head import ValueHeadModel, last_token_columns, new_value_head
 from hf_rlhf.tensors import last_true_indices
 from hf_rlhf.trainers.metrics import MetricAccumulator
 
@@ -154,7 +154,7 @@ def test_flops_estimate_is_the_trainers_with_the_parameter_count_taken_once():
 
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer
 
-    from hf_rlhf.trainers.base import BaseTrainer
+    from hf_rlhf.trainers.base_trainer import BaseTrainer
 
     def counted_model(layers: int) -> tuple[LlamaForCausalLM, list]:
         model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,

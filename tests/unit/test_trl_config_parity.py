@@ -11,11 +11,11 @@ import trl
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_rlhf import DPOConfig, ModelConfig, RewardConfig, SFTConfig
-from hf_rlhf.config_checks import RENAMED, check_field_types
-from hf_rlhf.configs import DataOptions, PreferenceDataOptions, SFTDataOptions
-from hf_rlhf.losses import dft_loss
-from hf_rlhf.ppo.config import PPOConfig
 from hf_rlhf.cli.arguments import parse_recipe_args
+from hf_rlhf.data.options import DataOptions, PreferenceDataOptions, SFTDataOptions
+from hf_rlhf.losses.sft import dft_loss
+from hf_rlhf.trainers.config_checks import RENAMED, check_field_types
+from hf_rlhf.trainers.ppo_config import PPOConfig
 
 CUDA = torch.cuda.is_available()
 TRAINING_ARGS = {f.name for f in dataclasses.fields(TrainingArguments)}

@@ -5,11 +5,11 @@ response (what the rollout would otherwise run) to float rounding, and capturing
 import pytest
 import torch
 from torch.testing import assert_close
+from zoo_models import MODEL_TYPES, PAD_ID, attentions, build, random_sequences
 
 from hf_rlhf.generation import build_engine
-from hf_rlhf.ppo.policy_value import PolicyAndValue, response_logits
+from hf_rlhf.models.policy_value import PolicyAndValue, response_logits
 from hf_rlhf.tensors import first_true_indices, logprobs_from_logits
-from zoo_models import MODEL_TYPES, PAD_ID, attentions, build, random_sequences
 
 TEMPERATURE = 0.7
 STOPS = list(range(20, 32))  # frequent enough that rows stop at different steps

@@ -8,11 +8,11 @@ of the full logits within 1e-5; so does the padded layout run without its right-
 import pytest
 import torch
 from torch.testing import assert_close
+from zoo_models import MODEL_TYPES, TOKENIZER, build
 
 from hf_rlhf import DPOConfig, DPOTrainer
-from hf_rlhf.packing_check import PackingCheckError
+from hf_rlhf.models.packing_check import PackingCheckError
 from hf_rlhf.toy import preference_dataset
-from zoo_models import MODEL_TYPES, TOKENIZER, build
 
 PAIRS = preference_dataset(6, seed=3, split="train")
 

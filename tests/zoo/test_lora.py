@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from zoo_models import MODEL_TYPES, PAD_ID, build, random_sequences
 
 from hf_rlhf import ModelConfig
 from hf_rlhf.collators import LeftPaddingCollator
-from hf_rlhf.merge import merge_adapter
-from hf_rlhf.models import apply_lora, lora_config
-from hf_rlhf.reward_models import ValueHeadModel, get_rewards
-from zoo_models import MODEL_TYPES, PAD_ID, build, random_sequences
+from hf_rlhf.models.loading import apply_lora, lora_config
+from hf_rlhf.models.merge import merge_adapter
+from hf_rlhf.models.value_head import ValueHeadModel, get_rewards
 
 LORA = ModelConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0)
 

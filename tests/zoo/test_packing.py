@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
+from zoo_models import MODEL_TYPES, TOKENIZER, attentions, build, random_sequences
 
 from hf_rlhf import SFTConfig, SFTTrainer
-from hf_rlhf.packing_check import PackingCheckError
-from zoo_models import MODEL_TYPES, TOKENIZER, attentions, build, random_sequences
+from hf_rlhf.models.packing_check import PackingCheckError
 
 # (length, prompt length): prompts are masked out of the loss through `completion_mask`
 SHAPES = [(9, 3), (5, 2), (12, 4), (7, 0)]
@@ -90,7 +90,7 @@ def test_opt_refuses_packing(tmp_path):
 
 
 def test_packing_check_in_bfloat16_keeps_the_training_mode():
-    from hf_rlhf.packing_check import check_packing_exact
+    from hf_rlhf.models.packing_check import check_packing_exact
 
     llama = build("llama").to(torch.bfloat16).train()
     assert check_packing_exact(llama, "padding_free") < 3e-2 and llama.training

@@ -4,11 +4,11 @@ included: GPT-2 placed a row's first token at the position = its padding before 
 import pytest
 import torch
 from torch.testing import assert_close
+from zoo_models import MODEL_TYPES, PAD_ID, TOKENIZER, build, random_sequences
 
 from hf_rlhf.collators import LeftPaddingCollator
+from hf_rlhf.models.value_head import ValueHeadModel, get_rewards
 from hf_rlhf.rewards import ModelReward
-from hf_rlhf.reward_models import ValueHeadModel, get_rewards
-from zoo_models import MODEL_TYPES, PAD_ID, TOKENIZER, build, random_sequences
 
 LENGTHS = [9, 3, 6]
 

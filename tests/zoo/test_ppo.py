@@ -4,14 +4,14 @@ each row run alone and unpadded (the layout PPO trains on is the layout it sampl
 import pytest
 import torch
 from torch.testing import assert_close
+from zoo_models import MODEL_TYPES, PAD_ID, TOKENIZER, build, random_sequences
 
 from hf_rlhf.collators import LeftPaddingCollator
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.ppo.policy_value import PolicyAndValue, response_logits
+from hf_rlhf.models.policy_value import PolicyAndValue, response_logits
 from hf_rlhf.tensors import logprobs_from_logits
-from hf_rlhf.trainers.ppo import PPOTrainer
-from zoo_models import MODEL_TYPES, PAD_ID, TOKENIZER, build, random_sequences
 from hf_rlhf.toy import prompt_dataset
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 PROMPT_LENGTHS, RESPONSE_LENGTHS = [6, 2, 4], [3, 5, 1]
 
@@ -148,7 +148,7 @@ def test_rollout_forwards_in_length_sorted_chunks_equal_one_forward(tmp_path, mo
     `local_rollout_forward_batch_size`, each cut to its own width; log-probs, values and reference log-probs come
     back in the rows' order and equal one forward of the whole padded batch (to float rounding), as do in-order
     chunks (group_by_length=False), which are cut to their width too."""
-    from hf_rlhf.ppo.rollout import RolloutMaker
+    from hf_rlhf.rollout.rollout_maker import RolloutMaker
 
     module = PolicyAndValue(build(model_type)).eval()
     reference = build(model_type, seed=1)

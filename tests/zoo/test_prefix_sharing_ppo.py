@@ -1,19 +1,19 @@
-"""PPO's prompt sharing (`PPOConfig.prefix_sharing`, `hf_rlhf.ppo.shared_prompts`) on every architecture: the rows
+"""PPO's prompt sharing (`PPOConfig.prefix_sharing`, `hf_rlhf.rollout.shared_prompts`) on every architecture: the rows
 of one prompt run as one row [prompt | completion 1 | ... | completion k] give the padded layout's log-probs,
 values and gradients (to float rounding), or the trainer turns it off for that model, saying why."""
 
 import pytest
 import torch
 from torch.testing import assert_close
+from zoo_models import MODEL_TYPES, PAD_ID, TOKENIZER, attentions, build, random_sequences
 
 from hf_rlhf.collators import LeftPaddingCollator
-from hf_rlhf.packing_check import PackingCheckError, check_packing_exact
-from hf_rlhf.ppo.config import PPOConfig
-from hf_rlhf.ppo.policy_value import PolicyAndValue, response_logits
+from hf_rlhf.models.packing_check import PackingCheckError, check_packing_exact
+from hf_rlhf.models.policy_value import PolicyAndValue, response_logits
 from hf_rlhf.tensors import logprobs_from_logits
 from hf_rlhf.toy import prompt_dataset
-from hf_rlhf.trainers.ppo import PPOTrainer
-from zoo_models import MODEL_TYPES, PAD_ID, TOKENIZER, attentions, build, random_sequences
+from hf_rlhf.trainers.ppo_config import PPOConfig
+from hf_rlhf.trainers.ppo_trainer import PPOTrainer
 
 G = 3
 

@@ -5,12 +5,12 @@
 import pytest
 import torch
 from torch.testing import assert_close
+from zoo_models import MODEL_TYPES, TOKENIZER, build
 
 from hf_rlhf import RewardConfig, RewardTrainer
-from hf_rlhf.packing_check import PackingCheckError
-from hf_rlhf.reward_models import ValueHeadModel, get_rewards
+from hf_rlhf.models.packing_check import PackingCheckError
+from hf_rlhf.models.value_head import ValueHeadModel, get_rewards
 from hf_rlhf.toy import preference_dataset
-from zoo_models import MODEL_TYPES, TOKENIZER, build
 
 LAYOUTS = {"right": {}, "left": {"padding_side": "left"}, "padding_free": {"padding_free": True},
            "prefix_sharing": {"prefix_sharing": True}}

@@ -4,10 +4,10 @@ sampled from the same seed, on every architecture."""
 
 import pytest
 import torch
+from zoo_models import MODEL_TYPES, PAD_ID, attentions, build, random_sequences
 
 from hf_rlhf.collators import LeftPaddingCollator
 from hf_rlhf.generation.engines import GenerateEngine, shared_prompt_cache
-from zoo_models import MODEL_TYPES, PAD_ID, attentions, build, random_sequences
 
 
 def grouped_prompts():
