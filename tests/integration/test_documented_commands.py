@@ -1,11 +1,11 @@
 """Every command the project tells a user to run, run as written (a few steps).
 
-The commands are read from where a user reads them: the README's ```bash blocks, the usage lines of the recipes'
-and the command line's docstrings, the `#` headers of recipes/configs/ and recipes/accelerate/, and the commands
-`hf-rlhf chain` prints at its end. Each is run in this process through the code it names (the recipe's `main()`,
-`hf_rlhf.cli.main`, `hf_rlhf.models.merge.main`; `accelerate launch`'s own options are parsed by accelerate's parser, and
-one process is what it would start) with options appended that make it a few steps of the tiny toy model, the
-outputs under a temporary folder and the toy SFT policy and reward model prebuilt there.
+The commands are read from where a user reads them: the ```bash blocks of README.md and docs/*.md, the usage lines
+of the recipes' and the command line's docstrings, the `#` headers of recipes/configs/ and recipes/accelerate/, and
+the commands `hf-rlhf chain` prints at its end. Each is run in this process through the code it names (the
+recipe's `main()`, `hf_rlhf.cli.main`, `hf_rlhf.models.merge.main`; `accelerate launch`'s own options are parsed by
+accelerate's parser, and one process is what it would start) with options appended that make it a few steps of the
+tiny toy model, the outputs under a temporary folder and the toy SFT policy and reward model prebuilt there.
 
 A command that needs the hub (a model or dataset id, a config that names one), a GPU (several processes) or a file
 of the user's (`my_ppo.yaml`, `my/sft-model`) cannot run here: it is parsed exactly as the recipe parses it
@@ -67,17 +67,20 @@ def _commands_in(text: str, comment: bool) -> list[str]:
 def documented_commands() -> list[tuple[str, str]]:
     """(where, command) for every command a user is told to run."""
     found = []
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
-        found += [("README.md", c) for c in _commands_in(block, comment=False)]
+    docs = os.path.join(ROOT, "docs")
+    pages = ["README.md", *(f"docs/{name}" for name in sorted(os.listdir(docs)) if name.endswith(".md"))]
+    for page in pages:
+        text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+        for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+            found += [(page, c) for c in _commands_in(block, comment=False)]
     import ast
 
     for rel in ("recipes/sft.py", "recipes/reward.py", "recipes/ppo.py", "recipes/dpo.py", "hf_rlhf/cli/main.py",
-                "hf_rlhf/merge.py"):
+                "hf_rlhf/models/merge.py"):
         path = os.path.join(ROOT, rel)
-        if os.path.isfile(path):
-            doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read())) or ""
-            found += [(rel, c) for c in _commands_in(doc, comment=False)]
+        assert os.path.isfile(path), f"{rel} moved: name its new path here"  # a moved file must not go unread
+        doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read())) or ""
+        found += [(rel, c) for c in _commands_in(doc, comment=False)]
     for folder in ("recipes/configs", "recipes/accelerate"):
         for name in sorted(os.listdir(os.path.join(ROOT, folder))):
             if name.endswith(".yaml"):

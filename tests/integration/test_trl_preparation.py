@@ -7,7 +7,7 @@ run against hf_rlhf); each case here is one cause of a failure there, fixed:
 - SFT on a Mixture-of-Experts model: the load-balancing loss logged as `aux_loss`;
 - reward: per-row `chat_template_kwargs` passed to the chat template; TRL's legacy `chosen_input_ids` /
   `rejected_input_ids` columns renamed with its FutureWarning; TRL's wording for a model with `num_labels != 1`.
-And the deliberate differences (README, "TRL drop-in" row), each with its test:
+And the deliberate differences (docs/trl_compatibility.md), each with its test:
 - `padding_free=True` without packing keeps `max_length` (the rows are cut when prepared); TRL refuses it;
 - `skip_prepare_dataset=True` rows with masks and no `labels` train on the masked tokens only; TRL refuses them;
 - DPO `evaluate(new_rows)` after training with `precompute_ref_log_probs`: the reference log-probs come from the
