@@ -263,7 +263,9 @@ def markdown_table(summary: dict) -> str:
     lines = ["| config | median episodes/s | median peak RSS MB | episodes/s vs TRL | steady episodes/s vs TRL "
              "| episodes/CPU-s vs TRL | peak RSS vs TRL |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name, e in summary.items():
-        ratio = lambda m: f"{e[f'median_ratio_{m}']:.2f}×" if f"median_ratio_{m}" in e else "–"  # noqa: E731
+        def ratio(m, e=e):
+            return f"{e[f'median_ratio_{m}']:.2f}×" if f"median_ratio_{m}" in e else "–"
+
         lines.append(f"| {name} | {e['median_episodes_per_s']:.2f} | {e['median_peak_rss_mb']:,.0f} "
                      f"| {ratio('episodes_per_s')} | {ratio('steady_episodes_per_s')} | {ratio('episodes_per_cpu_s')} "
                      f"| {ratio('peak_rss_mb')} |")
@@ -276,7 +278,9 @@ def phase_table(runs: list[dict], configs: list[str]) -> str:
     lines = ["| config | " + " | ".join(phases) + " | total |", "|---|" + "---:|" * (len(phases) + 1)]
     for name in configs:
         mine = [run for run in runs if run["config"] == name]
-        cell = lambda p: statistics.median(run["phases"]["seconds"].get(p, 0.0) for run in mine)  # noqa: E731
+        def cell(p, mine=mine):
+            return statistics.median(run["phases"]["seconds"].get(p, 0.0) for run in mine)
+
         lines.append(f"| {name} | " + " | ".join(f"{cell(p):.2f}" for p in phases)
                      + f" | {statistics.median(run['seconds'] for run in mine):.2f} |")
     return "\n".join(lines)
@@ -292,7 +296,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompts", choices=("short", "long"), default="short",
                         help="long: every prompt behind a fixed 89-token instruction (LONG_PROMPT_PREFIX)")
     parser.add_argument("--grpo_beta", type=float, default=KL["grpo"],
-                        help="GRPO's β on both sides (0.04 in the loss by default; 0: TRL 1.16's default, no reference)")
+                        help="GRPO's β on both sides (0.04 in the loss by default; 0: TRL 1.16's default, "
+                             "no reference)")
     parser.add_argument("--output", default="bench/results/critic_free.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)

@@ -19,7 +19,8 @@ all tokens / all time (the first call pays the compile); compile s = first call 
     python bench/generation.py --model toy --repeats 2
     python bench/generation.py --model toy --repeats 5 --configs generate,lean
     python bench/generation.py --model llama40m --repeats 5 --configs generate,lean,generate_lora,lean_lora
-    python bench/generation.py --model llama40m --repeats 2 --configs generate,static_eager,static,generate_lora,generate_lora_merged,static_lora,static_lora_merged
+    python bench/generation.py --model llama40m --repeats 2 \
+        --configs generate,static_eager,static,generate_lora,generate_lora_merged,static_lora,static_lora_merged
     python bench/generation.py --quick --repeats 1 --output /tmp/smoke.json     # smoke test
 """
 
@@ -149,8 +150,9 @@ def summarize(runs: list[dict], configs: list[str], repeats: int) -> dict:
 
 
 def markdown_table(summary: dict) -> str:
-    lines = ["| config | tokens/s excl. compile | ratio vs generate (same model) | tokens/s incl. compile | ratio vs generate "
-             "| compile s | tokens/CPU-s excl. compile | ratio vs generate | same tokens as generate |",
+    lines = ["| config | tokens/s excl. compile | ratio vs generate (same model) | tokens/s incl. compile "
+             "| ratio vs generate | compile s | tokens/CPU-s excl. compile | ratio vs generate "
+             "| same tokens as generate |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, e in summary.items():
         ratio = {k: f"{e['median_ratio_' + k]:.2f}×" if "median_ratio_" + k in e else "–"

@@ -243,7 +243,8 @@ def pair_benchmark_main(argv: list[str] | None, *, script: str, description: str
         import resource
 
         run = worker(cli.worker, settings, cli.threads)
-        run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the whole worker's (Linux: KiB)
+        # the whole worker's (Linux: KiB)
+        run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(run))
         return
 

@@ -507,7 +507,9 @@ def markdown_table(summary: dict) -> str:
              "| episodes/s vs TRL | peak RSS vs TRL | peak increase vs TRL |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, e in summary.items():
-        ratio = lambda m: f"{e[f'median_ratio_{m}']:.2f}×" if f"median_ratio_{m}" in e else "–"
+        def ratio(m, e=e):
+            return f"{e[f'median_ratio_{m}']:.2f}×" if f"median_ratio_{m}" in e else "–"
+
         lines.append(f"| {name} | {e['group']} | {e['median_episodes_per_s']:.2f} | {e['median_peak_rss_mb']:,.0f} "
                      f"| {e['median_peak_increase_mb']:,.0f} | {ratio('episodes_per_s')} | {ratio('peak_rss_mb')} "
                      f"| {ratio('peak_increase_mb')} |")
@@ -520,7 +522,9 @@ def phase_table(runs: list[dict], configs: list[str]) -> str:
     lines = ["| config | " + " | ".join(phases) + " | total |", "|---|" + "---:|" * (len(phases) + 1)]
     for name in configs:
         mine = [run for run in runs if run["config"] == name]
-        cell = lambda p: statistics.median(run["phases"]["seconds"].get(p, 0.0) for run in mine)
+        def cell(p, mine=mine):
+            return statistics.median(run["phases"]["seconds"].get(p, 0.0) for run in mine)
+
         lines.append(f"| {name} | " + " | ".join(f"{cell(p):.2f}" for p in phases)
                      + f" | {statistics.median(run['seconds'] for run in mine):.2f} |")
     return "\n".join(lines)
@@ -560,7 +564,9 @@ def notes_for(runs: list[dict], summary: dict, settings: dict, repeats: int) -> 
     for name, e in summary.items():
         ref = REFERENCE[e["group"]]
         if "ratios_episodes_per_s" in e and name != ref:
-            per_round = lambda m: ", ".join(f"{x:.2f}" for x in e[f"ratios_{m}"])
+            def per_round(m, e=e):
+                return ", ".join(f"{x:.2f}" for x in e[f"ratios_{m}"])
+
             notes.append(f"{name} / {ref}: episodes/s {per_round('episodes_per_s')} (per round); per CPU-second "
                          f"{e['median_ratio_episodes_per_cpu_s']:.2f}×; with every explicit gc.collect() taken out "
                          f"of both {e['median_ratio_episodes_per_s_without_gc']:.2f}×; peak RSS "

@@ -83,7 +83,8 @@ def model_note(settings: dict, first: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     harness.pair_benchmark_main(argv, script=__file__, description=__doc__.split("\n")[0],
                                 default_configs=DEFAULT_CONFIGS, extra_configs=EXTRA_CONFIGS, presets=PRESETS,
-                                worker=worker, model_note=model_note, reference=REFERENCE, loss_exempt=("trl_defaults",))
+                                worker=worker, model_note=model_note, reference=REFERENCE,
+                                loss_exempt=("trl_defaults",))
 
 
 if __name__ == "__main__":

@@ -217,7 +217,9 @@ def markdown_table(summary: dict) -> str:
              "| optimizer steps | positions holding real tokens |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, entry in summary.items():
-        ratio = lambda ref: f"{entry[f'median_ratio_vs_{ref}']:.2f}×" if f"median_ratio_vs_{ref}" in entry else "–"
+        def ratio(ref, entry=entry):
+            return f"{entry[f'median_ratio_vs_{ref}']:.2f}×" if f"median_ratio_vs_{ref}" in entry else "–"
+
         lines.append(f"| {name} | {entry['median_tokens_per_s']:,.0f} | {ratio('padded')} | {ratio('trl_packed')} "
                      f"| {entry['steps']} | {entry['fill']:.0%} |")
     return "\n".join(lines)

@@ -32,8 +32,9 @@ def sample_completions(model, tokenizer, rows):
                                                           return_dict=False)])
 
         def generate(ids, mask, n):
-            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)[:, ids.shape[1]:]
+            out_ids = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            return out_ids[:, ids.shape[1]:]
 
         out.append([row["prompt"][0]["content"], loop.run(generate, ids, torch.ones_like(ids),
                                                           [tool_dict([add])]).completions[0]])

@@ -4,8 +4,8 @@ policy samples its next rollout); no checkpoint is written at the step it stops 
 
 It sees what is logged, so it acts at logging steps, after the optimizer step: it is the safety net for any
 `transformers.Trainer`. hf_rlhf's trainers attach it by default and also check the loss and gradient norm *before*
-each optimizer step (`hf_rlhf.training.nonfinite`, option `nonfinite_policy`); under `nonfinite_policy="skip"` those steps
-are dropped there, so this callback only warns. Two Trainer details hide a non-finite loss from the logs:
+each optimizer step (`hf_rlhf.training.nonfinite`, option `nonfinite_policy`); under `nonfinite_policy="skip"` those
+steps are dropped there, so this callback only warns. Two Trainer details hide a non-finite loss from the logs:
   - `logging_nan_inf_filter=True` (the Trainer's default; hf_rlhf's configs default to False) replaces a NaN/inf
     step loss by the mean of the others, so `loss` stays finite (0 at the first step of a logging window); the
     `grad_norm` of that step is still NaN;

@@ -48,8 +48,8 @@ class SampleCompletionsCallback(TrainerCallback):
     """
 
     def __init__(self, prompts: Sequence, every_n_steps: int | None = None, max_new_tokens: int = 16,
-                 score_fn: Callable | None = None, filename: str | None = "completions.jsonl", tools: list | None = None,
-                 max_tool_calling_iterations: int | None = None):
+                 score_fn: Callable | None = None, filename: str | None = "completions.jsonl",
+                 tools: list | None = None, max_tool_calling_iterations: int | None = None):
         if not prompts:
             raise ValueError("SampleCompletionsCallback needs at least one prompt")
         self.prompts, self.every_n_steps = list(prompts), every_n_steps
@@ -66,7 +66,8 @@ class SampleCompletionsCallback(TrainerCallback):
         self._sample(args, state, **kwargs)
 
     def _forget_from(self, args, state) -> None:
-        """Drop the rows of step >= the resumed step: the interrupted run wrote them, the resumed run writes them again."""
+        """Drop the rows of step >= the resumed step: the interrupted run wrote them, the resumed run writes them
+        again."""
         self.history = [row for row in self.history if row["step"] < state.global_step]
         self._last_step = None
         path = os.path.join(args.output_dir, self.filename) if self.filename else None

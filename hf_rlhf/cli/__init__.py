@@ -14,4 +14,5 @@ What the recipes share:
 - `results`: results.json, and the exit after a non-finite stop
 - `printing`: what a finished run prints (and the toy chain's closing note)
 - `errors`: a bad option or input as one `[hf_rlhf] error: ...` line
+- `allocator`: the C heap's freed memory kept for the next step (glibc's `mallopt`)
 """

@@ -68,9 +68,9 @@ def parse_recipe_args(dataclass_types, argv: list[str] | None, toy_config: str):
     """Parse the command line (and `--config file.yaml`) into the given dataclasses.
 
     Without `--config`, `--model_name_or_path` or `--dataset_name` the run is the embedded toy task,
-    and the recipe's toy YAML supplies its defaults (other options given still win). Unknown options, on the command line or in
-    the YAML file, are errors (trl's `TrlParser`, with `fail_with_unknown_args`). Seeds every RNG with the last
-    dataclass's `seed` (the TrainingArguments).
+    and the recipe's toy YAML supplies its defaults (other options given still win). Unknown options, on the command
+    line or in the YAML file, are errors (trl's `TrlParser`, with `fail_with_unknown_args`). Seeds every RNG with the
+    last dataclass's `seed` (the TrainingArguments).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     # `--config=x.yaml` as `--config x.yaml`: TrlParser reads the file only when its name is a token of its own
@@ -141,8 +141,8 @@ def check_known_options(parser, argv: list[str]) -> None:
 
 
 def check_renamed_cli_options(argv: list[str], dataclass_types=()) -> None:
-    """Old option names (`hf_rlhf.trainers.config_checks.RENAMED`: `--max_seq_length`, `--init_kl_coef`, ...) on the command
-    line or as keys of the `--config` YAML file are errors that name the new option (unless one of
+    """Old option names (`hf_rlhf.trainers.config_checks.RENAMED`: `--max_seq_length`, `--init_kl_coef`, ...) on the
+    command line or as keys of the `--config` YAML file are errors that name the new option (unless one of
     `dataclass_types` has a field of that name)."""
     names = [a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")]
     if "--config" in argv or any(a.startswith("--config=") for a in argv):
@@ -175,6 +175,8 @@ def check_ppo_options(script_args, model_config, options: set[str], toy: bool) -
 
     Raises:
         RecipeOptionError: naming the missing option.
+        ModelUnavailableError: (a run on `dataset_name`) the reward model path cannot be loaded: no such local
+            directory, not in the local hub cache while offline, or a Hub that cannot be reached (`check_model_path`).
     """
     if toy:
         if model_config.model_name_or_path is not None and not options & {"--config", "--dataset_name"}:
@@ -190,3 +192,7 @@ def check_ppo_options(script_args, model_config, options: set[str], toy: bool) -
     if script_args.reward_source == "model" and not script_args.reward_model_path:
         raise RecipeOptionError("recipes/ppo.py: a run on --dataset_name needs a reward: give --reward_model_path "
                                 "(a reward model), or --reward_source function --reward_function module:function")
+    if script_args.reward_source == "model":
+        from ..rewards.factory import check_reward_model_path
+
+        check_reward_model_path(script_args.reward_model_path)  # before the prompts and the policy's tokenizer

@@ -17,7 +17,8 @@ NO_PAD_TOKEN_MESSAGE = "tokenizer has no pad token; set tokenizer.pad_token or S
 
 
 def as_list(values: Any) -> list:
-    """A feature's values as a Python list: features come as lists, or as torch / numpy arrays from a formatted dataset."""
+    """A feature's values as a Python list: features come as lists, or as torch / numpy arrays from a formatted
+    dataset."""
     return values.tolist() if hasattr(values, "tolist") else list(values)
 
 

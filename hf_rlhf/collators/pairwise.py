@@ -11,7 +11,7 @@ Three layouts of the same B pairs, each giving every sequence the same reward:
                     from the prefix as if the chosen tail were not there.
 
 Layouts with more than one sequence per row carry `last_token_index`: the position of each sequence's last token
-in the flattened scores (chosen 0..B-1, then rejected), which `reward_models.gather_last_token_scores` reads.
+in the flattened scores (chosen 0..B-1, then rejected), which `models.value_head.gather_last_token_scores` reads.
 """
 
 from __future__ import annotations

@@ -3,8 +3,11 @@
     validation.py    DataValidationError (row, field, expected, got), row access, field checks
     tokenization.py  tokenizer set-up (chat template, pad / eos tokens, leading special ids), prompt+completion
                      tokenization, the over-long policy
+    options.py       the data options every trainer config inherits (`DataOptions`, `SFTDataOptions`, ...)
+    chatml.py        ShareGPT rows to ChatML; per-row `tools` / `chat_template_kwargs`
     sft.py           SFT formats and `prepare_sft_dataset`
     preference.py    preference-pair formats and `prepare_preference_dataset`
+    dpo.py           DPO pairs tokenized as TRL's `DPOTrainer` does (`prepare_dpo_dataset`)
     streaming.py     streamed (`IterableDataset`) data: first-row look-ahead, lazy validation and over-long policy
     raw_files.py     .json / .jsonl files read as written before `datasets` loads them (file errors with the line)
 

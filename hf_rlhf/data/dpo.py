@@ -62,7 +62,8 @@ def check_dpo_rows(dataset, options: DataOptions) -> str:
 
 def _tokenize(tokenizer, value, **template_kwargs) -> list[int]:
     if isinstance(value, list):  # messages
-        return list(tokenizer.apply_chat_template(value, tokenize=True, return_dict=True, **template_kwargs)["input_ids"])
+        encoded = tokenizer.apply_chat_template(value, tokenize=True, return_dict=True, **template_kwargs)
+        return list(encoded["input_ids"])
     return list(tokenizer(text=value)["input_ids"])
 
 
@@ -163,7 +164,8 @@ def prepare_dpo_dataset(dataset, tokenizer, options, rows_checked: bool = False)
     over = [i for i, n in enumerate(lengths) if n > max_length]
     if policy == "error" and over:
         raise DataValidationError(over[0], "chosen/rejected", f"prompt + completion of at most max_length="
-                                  f"{max_length} tokens (overlong_policy='error')", Verbatim(f"{lengths[over[0]]} tokens"))
+                                  f"{max_length} tokens (overlong_policy='error')",
+                                  Verbatim(f"{lengths[over[0]]} tokens"))
     return dataset.select([i for i in range(len(dataset)) if lengths[i] <= max_length]) if over else dataset
 
 

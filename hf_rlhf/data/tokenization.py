@@ -261,12 +261,6 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
-def check_prompt_tokenization(mode: str, option: str = "prompt_tokenization") -> None:
-    """Raise a ValueError unless `mode` is one of `PROMPT_TOKENIZATIONS`."""
-    if mode not in PROMPT_TOKENIZATIONS:
-        raise ValueError(f"{option}={mode!r}; expected one of {PROMPT_TOKENIZATIONS}")
-
-
 def prompt_completion_texts(prompt, completion) -> list[str]:
     """The texts `tokenize_prompt_completion` may encode: the prompt, prompt + completion, and the completion (alone
     where tokens merge across the boundary); none for values that are not strings."""
@@ -459,7 +453,8 @@ def apply_length_policy(dataset: Dataset, max_length: int | None, policy: str, f
     """
     n_rows = len(dataset)
     stats = {"n_rows": n_rows, "n_truncated": 0, "n_dropped": 0}
-    overlong = [] if max_length is None else [i for i, n in enumerate(column_values(dataset, "_length")) if n > max_length]
+    lengths = [] if max_length is None else column_values(dataset, "_length")
+    overlong = [i for i, n in enumerate(lengths) if n > max_length]
     if overlong and policy == "error":
         i = overlong[0]
         raise DataValidationError(

@@ -15,5 +15,6 @@ from .engines import (
            check_lean_options,
 )
 
-__all__ = ["GENERATION_BACKENDS", "DecodeCapture", "EngineStats", "GenerateEngine", "GenerationEngine", "GenerationOutput",
-           "LeanDecodeEngine", "StaticCacheEngine", "check_lean_options", "build_engine", "generate_completions"]
+__all__ = ["GENERATION_BACKENDS", "DecodeCapture", "EngineStats", "GenerateEngine", "GenerationEngine",
+           "GenerationOutput", "LeanDecodeEngine", "StaticCacheEngine", "check_lean_options", "build_engine",
+           "generate_completions"]

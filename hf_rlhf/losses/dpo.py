@@ -1,8 +1,9 @@
 """Direct preference optimisation losses (the DPO family, SimPO, ORPO): pure tensor functions (torch only).
 
 Everything here is a function of the four summed completion log-prob vectors, policy and reference, chosen and
-rejected (B,), and where a loss needs them the completion lengths (B,). `hf_rlhf.trainers.dpo_trainer.DPOTrainer` computes
-those vectors; `tests/unit/test_preference_losses.py` checks every loss against TRL 1.16's own code on the same tensors.
+rejected (B,), and where a loss needs them the completion lengths (B,). `hf_rlhf.trainers.dpo_trainer.DPOTrainer`
+computes those vectors; `tests/unit/test_dpo_losses.py` checks every loss against TRL 1.16's own code on the same
+tensors.
 
 References: `trl/trainer/dpo_trainer.py` (1.16) `DPOTrainer._compute_loss`, lines 1342-1520 (f-divergence scores,
 every `loss_type`, WPO weights); `trl/experimental/cpo/cpo_trainer.py:715` (SimPO); `trl/experimental/orpo/
@@ -134,7 +135,8 @@ def dpo_loss(loss_type: str, chosen_logps: torch.Tensor, rejected_logps: torch.T
     if loss_type == "apo_zero":  # D'Oosterlinck et al. 2024, Eq. 7
         return 1 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
     if loss_type == "apo_down":  # Eq. 8
-        return torch.sigmoid(beta * chosen_logratios) + 1 - torch.sigmoid(beta * (chosen_logratios - rejected_logratios))
+        return (torch.sigmoid(beta * chosen_logratios) + 1
+                - torch.sigmoid(beta * (chosen_logratios - rejected_logratios)))
     if loss_type == "discopop":  # Chan et al. 2024, Eq. 5
         logits = beta * delta
         modulation = torch.sigmoid(logits / discopop_tau)
@@ -308,8 +310,8 @@ def token_statistics(logits: torch.Tensor, target: torch.Tensor, mask: torch.Ten
         entropy = -(probs * logprobs_all).sum(-1)
         log_sum_sq = torch.logsumexp(2 * logprobs_all, dim=-1)
     return {"logps": logps, "token_logps": token_logps, "mask": mask, "lengths": mask.sum(1),
-            "entropy": entropy, "mean_logits": logits.detach().mean(-1), "is_top1": logits.detach().argmax(-1) == target,
-            "log_sum_sq_probs": log_sum_sq}
+            "entropy": entropy, "mean_logits": logits.detach().mean(-1),
+            "is_top1": logits.detach().argmax(-1) == target, "log_sum_sq_probs": log_sum_sq}
 
 
 def wpo_weights(token_logps: torch.Tensor, log_sum_sq_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

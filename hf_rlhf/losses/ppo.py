@@ -55,7 +55,8 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def importance_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str = "token") -> torch.Tensor:
-    """Log importance weights of the policy ratio, per token or per sequence (GSPO, Zheng et al. 2025, arXiv:2507.18071).
+    """Log importance weights of the policy ratio, per token or per sequence (GSPO, Zheng et al. 2025,
+    arXiv:2507.18071).
 
     As `trl.GRPOTrainer._compute_loss` (TRL 1.16, trl/trainer/grpo_trainer.py:3083-3093): "token" keeps
     log(π/π_old) per token; "sequence" is the masked mean of it over each response, one weight per sequence

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 
-# order of the values `pairwise_metric_sums` returns (before the final count)
 def pairwise_reward_loss(
     chosen_rewards: torch.Tensor,
     rejected_rewards: torch.Tensor,

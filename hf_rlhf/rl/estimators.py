@@ -1,4 +1,5 @@
-"""`estimate_advantages`: one rollout's rewards, advantages and returns for `PPOConfig.advantage_estimator` (torch only).
+"""`estimate_advantages`: one rollout's rewards, advantages and returns for `PPOConfig.advantage_estimator`
+(torch only).
 
 The rollout hands over scores and per-token KL; this picks the estimator's math (`hf_rlhf.rl.advantages` for GAE,
 `hf_rlhf.rl.critic_free` for GRPO / RLOO / REINFORCE++) and says where the KL penalty goes: into the per-token

@@ -1,8 +1,8 @@
 """Tool calls in rollouts (issue 21): parsing a turn with the chat template's tool format, running the calls in a
 bounded thread pool, and the masks that keep the environment's tokens in the context but out of the loss.
 
-`masks` is math (torch only); `parsing` and `execution` are data-layer helpers (tokenizer, Python callables). The
-turn loop that uses them lives in `hf_rlhf.rollout.multiturn`.
+`masks` is math (torch only); `parsing`, `execution` and `environments` (`environment_factory` instances) are
+data-layer helpers (tokenizer, Python callables). The turn loop that uses them lives in `hf_rlhf.rollout.multiturn`.
 """
 
 from .execution import ToolRunner, tool_dict

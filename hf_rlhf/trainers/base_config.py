@@ -33,11 +33,13 @@ def cuda_bf16_supported() -> bool:
 
 @dataclass
 class NonFiniteOptions:
-    """What every trainer does with a non-finite loss / grad norm (`hf_rlhf.training.nonfinite`), and how it is logged."""
+    """What every trainer does with a non-finite loss / grad norm (`hf_rlhf.training.nonfinite`), and how it is
+    logged."""
 
     nonfinite_policy: str = field(
         default="stop", metadata={"help": "A NaN/inf loss or grad norm before an optimizer step: stop (save nothing "
-                                          "from that step on) or skip (drop that step). See hf_rlhf.training.nonfinite.",
+                                          "from that step on) or skip (drop that step). "
+                                          "See hf_rlhf.training.nonfinite.",
                                   "choices": ["stop", "skip"]},
     )
     logging_nan_inf_filter: bool = field(
@@ -77,11 +79,13 @@ def _deepspeed_launch(args) -> bool:
     return bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
-PAD_TO_MULTIPLE_OF_HELP = "Pad batches to a multiple of this. 'auto' (TRL's default): no padding (it pads on Neuron only)."
+PAD_TO_MULTIPLE_OF_HELP = ("Pad batches to a multiple of this. 'auto' (TRL's default): no padding "
+                           "(it pads on Neuron only).")
 
 
 def resolve_pad_to_multiple_of(value, owner: str) -> int | None:
-    """TRL's `pad_to_multiple_of` values: an int, None, "auto" (None: no Neuron here), or those as command-line strings."""
+    """TRL's `pad_to_multiple_of` values: an int, None, "auto" (None: no Neuron here), or those as command-line
+    strings."""
     if isinstance(value, str):
         text = value.strip().lower()
         if text in ("auto", "none", "null"):

@@ -45,7 +45,8 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         test_dpo_layouts.py`). Most of a long prompt's positions then cost no vocabulary projection. A model that
         cannot (a forward without transformers' 2D `logits_to_keep`, a prompt-learning peft adapter) computes every
         position, with a log line saying why; False: every position always (as trl 1.16 on CPU, which scores only
-        the completion positions on CUDA / XPU with Triton). The logits `prediction_step` returns are always the full ones.
+        the completion positions on CUDA / XPU with Triton). The logits `prediction_step` returns are always the full
+        ones.
         On sdpa the padded layout's right-padded rows go without their attention mask (causal attention alone: no
         real token sees the padding after it, and sdpa takes its causal kernel) where a self-check on the model and
         the reference agrees (`packing_check.right_padding_needs_no_mask`), except with an MoE router loss, which
@@ -114,11 +115,13 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
 
     def __post_init__(self):
         if isinstance(self.loss_type, str):
-            self.loss_type = [t.strip() for t in self.loss_type.split(",")] if "," in self.loss_type else [self.loss_type]
+            text = self.loss_type
+            self.loss_type = [t.strip() for t in text.split(",")] if "," in text else [text]
         self.loss_type = list(self.loss_type)
         unknown = [t for t in self.loss_type if t not in DPO_LOSS_TYPE_CHOICES]
         if unknown or not self.loss_type:
-            raise ValueError(f"DPOConfig.loss_type={self.loss_type!r}; expected one or more of {DPO_LOSS_TYPE_CHOICES}.")
+            raise ValueError(f"DPOConfig.loss_type={self.loss_type!r}; expected one or more of "
+                             f"{DPO_LOSS_TYPE_CHOICES}.")
         check_field_types(self)
         self._resolve_device_defaults()
         self._check_model_options()
@@ -128,7 +131,8 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
             raise ValueError(f"DPOConfig.loss_weights has {len(self.loss_weights)} weights for {len(self.loss_type)} "
                              "loss types; give one per loss_type.")
         if self.truncation_mode not in ("keep_start", "keep_end"):
-            raise ValueError(f"DPOConfig.truncation_mode={self.truncation_mode!r}; expected 'keep_start' or 'keep_end'.")
+            raise ValueError(f"DPOConfig.truncation_mode={self.truncation_mode!r}; expected 'keep_start' or "
+                             "'keep_end'.")
         if self.f_divergence_type not in F_DIVERGENCE_CHOICES:
             raise ValueError(f"DPOConfig.f_divergence_type={self.f_divergence_type!r}; expected one of "
                              f"{F_DIVERGENCE_CHOICES}.")

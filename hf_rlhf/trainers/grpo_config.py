@@ -114,7 +114,8 @@ class GRPOConfig(PPOConfig):
     use_bias_correction_kl: bool = field(
         default=True, metadata={"help": "Multiply the per-token KL by the importance ratio (TRL's default)."})
     # TRL options refused when set (REFUSED gives why), at TRL's defaults
-    model_init_kwargs: dict[str, Any] | str | None = field(default=None, metadata={"help": REFUSED["model_init_kwargs"]})
+    model_init_kwargs: dict[str, Any] | str | None = field(default=None,
+                                                           metadata={"help": REFUSED["model_init_kwargs"]})
     trust_remote_code: bool = field(default=False, metadata={"help": REFUSED["trust_remote_code"]})
     router_aux_loss_coef: float | None = field(default=None, metadata={"help": REFUSED["router_aux_loss_coef"]})
     cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": REFUSED["cast_lm_head_to_fp32"]})

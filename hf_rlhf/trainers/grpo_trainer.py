@@ -6,7 +6,7 @@ same keywords (`model`, `reward_funcs`, `args`, `train_dataset`, `processing_cla
 (a `prompt`, text or messages, and any columns the reward functions read), and TRL's metric names in the logs
 (`reward`, `reward_std`, `rewards/{name}/mean|std`, `frac_reward_zero_std`, `completions/*`, `entropy`, `kl`,
 `clip_ratio/*`, `tools/*`, `num_tokens`, `step_time`), next to PPOTrainer's own (`objective/*`, `policy/*`,
-`loss/*`). What differs from TRL is listed in README.md ("GRPO: a drop-in for trl.GRPOTrainer").
+`loss/*`). What differs from TRL is listed in docs/grpo.md ("GRPOTrainer: a drop-in for trl.GRPOTrainer").
 """
 
 from __future__ import annotations

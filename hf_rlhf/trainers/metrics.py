@@ -38,7 +38,8 @@ class MetricAccumulator:
         return bool(self._pairs) or bool(self._mins)
 
     def add(self, name: str, value_sum, weight=1.0) -> None:
-        """Add `value_sum` (a 0-dim tensor or a number) with `weight` to the metric `name`; nothing leaves the device."""
+        """Add `value_sum` (a 0-dim tensor or a number) with `weight` to the metric `name`; nothing leaves the
+        device."""
         value_sum = torch.as_tensor(value_sum)
         pair = torch.stack([value_sum.detach().double().reshape(()),
                             torch.as_tensor(weight, device=value_sum.device).detach().double().reshape(())])

@@ -10,8 +10,9 @@ Batch sizes, per device, for one rollout::
 
 so one rollout gives `num_mini_batches * num_ppo_epochs` optimizer steps. With `num_generations = G > 1` a rollout's
 rows are completions: `rollout_batch_size / G` prompts, each sampled G times (TRL's GRPO counts its batches in
-completions too); every rank samples its own prompts' G completions, so a prompt's group is on one rank. `max_steps` / `num_train_epochs` count
-optimizer steps and passes over the prompt dataset, as in every Trainer (TRL's `total_episodes` is not used).
+completions too); every rank samples its own prompts' G completions, so a prompt's group is on one rank.
+`max_steps` / `num_train_epochs` count optimizer steps and passes over the prompt dataset, as in every Trainer
+(TRL's `total_episodes` is not used).
 """
 
 from __future__ import annotations
@@ -74,15 +75,17 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             same tokens as "generate" (greedy, and sampled with the same seed) without generate's per-step Python
             overhead; options it does not implement (repetition_penalty, min_new_tokens, num_beams, ... in
             generation_kwargs or the model's generation_config) are a ValueError naming them.
-            Default "generate" on every device: on this project's loaded 2-core CPU (bench/generation.py, README
-            "Benchmarks") compiled "static" decoded a 42M Llama at 1.14x generate's tokens/s (per-round ratios 1.35
-            and 0.94: within the machine's noise) and the 0.9M toy at 0.83x, after 24-28 s of compile per (batch,
-            bucket) shape, so compile included it was 0.59x / 0.13x over 4 batches; the eager static cache alone is
-            no faster; no GPU was measured here. Try "static" for long runs with one batch shape, on GPUs above all.
+            Default "generate" on every device: on this project's loaded 2-core CPU (bench/generation.py,
+            docs/benchmarks.md) compiled "static" decoded a 42M Llama at 1.14x generate's tokens/s (per-round
+            ratios 1.35 and 0.94: within the machine's noise) and the 0.9M toy at 0.83x, after 24-28 s of compile
+            per (batch, bucket) shape, so compile included it was 0.59x / 0.13x over 4 batches; the eager static
+            cache alone is no faster; no GPU was measured here. Try "static" for long runs with one batch shape, on
+            GPUs above all.
             "lean" is not the default either: transformers 5.24's `generate` costs only ~1 ms a step over the
             model's own forward, so per CPU-second lean decoded 1.17-1.18x generate's tokens on the 0.9M toy but
             0.91-1.01x on the 42M Llama, and GRPO (bench/critic_free.py) ran at 1.02-1.03x episodes per CPU-second
-            (0.94-1.03x wall, within the machine's noise); it is exact, so it can be chosen freely where its options suffice.
+            (0.94-1.03x wall, within the machine's noise); it is exact, so it can be chosen freely where its options
+            suffice.
         prefix_sharing: rows of a forward that share a prompt (the G completions of a group estimator) run as one
             row [prompt | completion 1 | ... | completion k] with a 4D attention mask, the prompt computed once, in
             the reference's forward, the rollout's policy forward and the loss's forward and backward
@@ -428,8 +431,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             (self.ptx_coef >= 0 and self.vf_coef >= 0 and self.entropy_coef >= 0,
              "ptx_coef, vf_coef and entropy_coef must be >= 0"),
             (self.value_learning_rate is None or self.value_learning_rate >= 0, "value_learning_rate must be >= 0"),
-            (self.advantage_estimator in ADVANTAGE_ESTIMATORS, f"advantage_estimator must be one of "
-                                                               f"{ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}"),
+            (self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+             f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}"),
             (self.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {SCALE_REWARDS}, "
                                                   f"got {self.scale_rewards!r}"),
             (self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}"),

@@ -19,7 +19,8 @@ from .config_checks import check_field_types, renamed_options
 
 @renamed_options("max_seq_length")
 @dataclass
-class RewardConfig(PreferenceDataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
+class RewardConfig(PreferenceDataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaultsMixin,
+                   TrainingArguments):
     """Pairwise reward-model training options (a `TrainingArguments`).
 
     Data (`PreferenceDataOptions`, read by `hf_rlhf.data.prepare_preference_dataset`):
@@ -41,8 +42,8 @@ class RewardConfig(PreferenceDataOptions, TrainerModelOptions, NonFiniteOptions,
             Same rewards as the padded path; needs `sdpa` or `eager` attention.
         packing_check: with `padding_free` or `prefix_sharing`, check before training that two short sequences
             get the same outputs laid out so and apart, and refuse the architecture otherwise (OPT with
-            padding_free; sliding-window models with prefix_sharing beyond their window); `hf_rlhf.models.packing_check`.
-            A few milliseconds; False skips it.
+            padding_free; sliding-window models with prefix_sharing beyond their window);
+            `hf_rlhf.models.packing_check`. A few milliseconds; False skips it.
         pad_to_multiple_of: round padded lengths (or the packed row) up to a multiple of this.
     Loss:
         center_rewards_coefficient: weight of mean((r_chosen + r_rejected)^2), which pulls rewards towards zero

@@ -35,7 +35,13 @@ pytestmark = pytest.mark.integration
 
 trl = pytest.importorskip("trl")
 import hf_rlhf  # noqa: E402
-from hf_rlhf.toy import build_toy_model, build_toy_reward_model, build_toy_tokenizer, preference_dataset, sft_dataset
+from hf_rlhf.toy import (  # noqa: E402
+    build_toy_model,
+    build_toy_reward_model,
+    build_toy_tokenizer,
+    preference_dataset,
+    sft_dataset,
+)
 
 LIBRARIES = (trl, hf_rlhf)
 # what the Trainer itself logs, the same through either library

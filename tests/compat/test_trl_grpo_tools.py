@@ -15,7 +15,7 @@ Asserted on both sides: the run trains (the policy's weights change), tool calls
 ran, its results are `tool` messages in the completions the reward functions receive, `tools/call_frequency` > 0),
 and every metric name a TRL user reads in the train logs is logged by hf_rlhf too (`TRL_ONLY` is empty; the names
 only hf_rlhf logs are PPOTrainer's own, `HF_RLHF_ONLY`). Losses are not compared: the two libraries sample with
-different random streams. What differs is listed in README.md ("GRPO with tools: a drop-in for trl.GRPOTrainer").
+different random streams. What differs is listed in docs/grpo.md ("GRPOTrainer: a drop-in for trl.GRPOTrainer").
 """
 
 import random

@@ -66,8 +66,8 @@ def test_precomputed_reference_is_stored_and_reused(tmp_path, tokenizer):
     pairs = preference_dataset(16, seed=1)
 
     def make():
-        return DPOTrainer(build_toy_model(tokenizer, "tiny", seed=0), None, args(tmp_path, precompute_ref_log_probs=True),
-                          None, pairs, pairs, tokenizer)
+        return DPOTrainer(build_toy_model(tokenizer, "tiny", seed=0), None,
+                          args(tmp_path, precompute_ref_log_probs=True), None, pairs, pairs, tokenizer)
 
     first = make()
     stored = os.listdir(tmp_path / "out" / "ref_logps")

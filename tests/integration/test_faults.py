@@ -48,8 +48,8 @@ def digit_reward(prompts, completions, **kwargs):
 
 
 def build(kind, output_dir, tokenizer, callbacks=(), trainer_class=None, reward=digit_reward, **kw):
-    common = dict(max_steps=8 if kind == "ppo" else 6, output_dir=str(output_dir), logging_steps=1, save_strategy="steps", save_steps=2,
-                  report_to="none", seed=0, disable_tqdm=True, learning_rate=3e-3)
+    common = dict(max_steps=8 if kind == "ppo" else 6, output_dir=str(output_dir), logging_steps=1,
+                  save_strategy="steps", save_steps=2, report_to="none", seed=0, disable_tqdm=True, learning_rate=3e-3)
     common.update(kw)
     if kind == "sft":
         args = SFTConfig(per_device_train_batch_size=8, max_length=48, warmup_steps=0, **common)
@@ -200,11 +200,12 @@ def kill_when(process, predicate, timeout=120.0):
     assert process.exitcode == -signal.SIGKILL
 
 
-def _hold_the_bar_lock_until_killed():
+def _hold_the_bar_lock_until_killed(held):
     from transformers.utils import logging as hf_logging
 
     _own_progress_bar_lock()
     hf_logging.tqdm.get_lock().acquire()  # as inside "Writing model shards" when the kill lands
+    held.set()  # the parent kills only once the lock is taken
     time.sleep(60)
 
 
@@ -217,9 +218,13 @@ def test_a_child_killed_inside_a_progress_bar_leaves_the_parents_bars_working():
     from transformers.utils import logging as hf_logging
 
     list(tqdm(range(1)))  # the parent has made its locks before the fork, as a test session has
-    child = multiprocessing.get_context("fork").Process(target=_hold_the_bar_lock_until_killed)
+    fork = multiprocessing.get_context("fork")
+    held = fork.Event()
+    child = fork.Process(target=_hold_the_bar_lock_until_killed, args=(held,))
     child.start()
-    time.sleep(2)
+    if not held.wait(timeout=120):  # a handshake, not a sleep: killed before taking the lock, it would prove nothing
+        child.kill()
+        raise AssertionError("the child did not take the progress-bar lock within 120 s")
     os.kill(child.pid, signal.SIGKILL)
     child.join()
     bars = threading.Thread(target=lambda: [list(bar(range(1))) for bar in (tqdm, hf_logging.tqdm, datasets_tqdm)],

@@ -1,7 +1,7 @@
 """A reward HTTP server that fails in the middle of a tiny PPO run (HTTP 500, a hang past the timeout, a dropped
 connection): bounded retries, then a clear `RewardError` out of `train()`, the last checkpoint intact, and a resume
 from it (once the server answers again) that continues the run exactly (issue 13, item 5). The client's own
-protocol, retry and error cases are in tests/unit/test_ppo_http_reward.py.
+protocol, retry and error cases are in tests/unit/test_http_client.py.
 """
 
 import json

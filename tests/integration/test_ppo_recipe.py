@@ -36,7 +36,8 @@ def test_toy_recipe_builds_the_policy_trains_and_reports(tmp_path, capsys):
     out, sft = tmp_path / "ppo", tmp_path / "sft"
     argv = ["--config", os.path.join(ROOT, "recipes", "configs", "ppo_toy.yaml"), "--output_dir", str(out),
             "--sft_model_path", str(sft), "--sft_config", tiny_sft_config(tmp_path), "--reward_source", "function",
-            "--toy_train_size", "32", "--toy_test_size", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+            "--toy_train_size", "32", "--toy_test_size", "8", "--per_device_train_batch_size", "4",
+            "--gradient_accumulation_steps", "1",
             "--rollout_batch_size", "8", "--num_ppo_epochs", "1", "--logging_steps", "2", "--max_steps", "4",
             "--sample_prompts", "2", "--sample_every", "2", "--disable_tqdm", "true"]
     results = recipe.main(argv)
@@ -112,7 +113,8 @@ def test_a_group_estimator_alone_runs_the_toy_recipe(tmp_path, tiny_model_dir, e
                            "--output_dir", str(out), "--toy_train_size", "64", "--toy_test_size", "8",
                            "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
                            "--rollout_batch_size", "16", "--num_ppo_epochs", "1", "--max_steps", "2",
-                           "--logging_steps", "1", "--sample_prompts", "0", "--plot", "false", "--disable_tqdm", "true"])
+                           "--logging_steps", "1", "--sample_prompts", "0", "--plot", "false",
+                           "--disable_tqdm", "true"])
     with open(out / "trainer_state.json") as f:
         logs = [h for h in json.load(f)["log_history"] if "objective/raw_scores" in h]
     assert len(logs) == 2 and all("loss/policy_avg" in h for h in logs)

@@ -73,7 +73,7 @@ class FirstTurnScripted(GenerationEngine):
         if later:
             sampled = self.inner._generate(model, query_ids[later], query_mask[later], kwargs).tolist()
         out = []
-        for i, seen in enumerate(rows):
+        for seen in rows:
             out.append(sampled.pop(0) if seen else self.first_ids[:kwargs["max_new_tokens"]])
         width = max(len(r) for r in out)
         self.turns.append(out)

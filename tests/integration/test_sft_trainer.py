@@ -282,8 +282,8 @@ def test_sharegpt_rows_train_as_their_chatml_rows(tmp_path, tokenizer):
     from datasets import Dataset
 
     chatml = sft_dataset(8, seed=2, format="messages")
-    sharegpt = Dataset.from_list([{"conversations": [{"from": m["role"], "value": m["content"]} for m in row["messages"]]}
-                                  for row in chatml])
+    sharegpt = Dataset.from_list(
+        [{"conversations": [{"from": m["role"], "value": m["content"]} for m in row["messages"]]} for row in chatml])
     args = make_args(tmp_path, max_steps=1, per_device_eval_batch_size=4)
     ours = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=args, train_dataset=sharegpt, processing_class=tokenizer)
     theirs = SFTTrainer(build_toy_model(tokenizer, "tiny"), args=args, train_dataset=chatml, processing_class=tokenizer)
@@ -293,7 +293,7 @@ def test_sharegpt_rows_train_as_their_chatml_rows(tmp_path, tokenizer):
 
 
 def test_compiled_toy_sft_batches_all_have_one_shape(tmp_path):
-    """The README's compiled toy SFT (`--torch_compile true --pad_to_multiple_of 128 --dataloader_drop_last true`):
+    """docs/sft.md's compiled toy SFT (`--torch_compile true --pad_to_multiple_of 128 --dataloader_drop_last true`):
     every batch, the last of each epoch included, has the one shape inductor compiled for; a new width or batch
     size compiles again (30-40 s each here, three times over a toy run without the two options). The toy config as
     shipped (no padding to a fixed width, a short last batch) gives several shapes from the same rows."""

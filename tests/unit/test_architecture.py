@@ -96,7 +96,8 @@ def test_imports_go_to_the_same_layer_or_below(module):
 
 def test_no_import_cycle():
     # a package __init__ that re-exports its children is not a cycle
-    edges = {m: {d for d in GRAPH[m][0] if not (m == "" or d.startswith(m + ".") and MODULES[m].endswith("__init__.py"))}
+    edges = {m: {d for d in GRAPH[m][0]
+                 if not (m == "" or d.startswith(m + ".") and MODULES[m].endswith("__init__.py"))}
              for m in MODULES}
     state = {}
 

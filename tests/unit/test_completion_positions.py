@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from hf_rlhf import tensors
-from hf_rlhf.losses import dpo as preference_losses
+from hf_rlhf.losses import dpo as dpo_losses
 from hf_rlhf.losses.dpo import (
     completion_logps,
     gathered_completion_logps,
@@ -18,7 +18,7 @@ from hf_rlhf.losses.dpo import (
 
 
 def test_docstring_examples():
-    result = doctest.testmod(preference_losses, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(dpo_losses, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 2 and result.failed == 0
     assert doctest.testmod(tensors).failed == 0
 

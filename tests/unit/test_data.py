@@ -618,7 +618,7 @@ import random  # noqa: E402
 from hf_rlhf import RewardConfig  # noqa: E402
 from hf_rlhf.data import prepare_preference_dataset  # noqa: E402
 from hf_rlhf.data.sft import build_labels  # noqa: E402
-from hf_rlhf.data.tokenization import (
+from hf_rlhf.data.tokenization import (  # noqa: E402
     PreEncodedTokenizer,
     backend_encodes_plainly,
     encode_plain_batch,

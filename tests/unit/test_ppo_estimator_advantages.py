@@ -97,7 +97,8 @@ def test_config_defaults_are_ppo(tmp_path):
     (dict(advantage_estimator="rloo", num_generations=1), "needs num_generations >= 2"),
     (dict(advantage_estimator="grpo", num_generations=3), r"rollout_batch_size=4 \(completions per rollout\) must "
                                                           "be a multiple of num_generations=3"),
-    (dict(advantage_estimator="grpo", num_generations=2, scale_rewards="std"), r"PPOConfig.scale_rewards='std'; expected one of \['group', 'batch', 'none'\]"),
+    (dict(advantage_estimator="grpo", num_generations=2, scale_rewards="std"),
+     r"PPOConfig.scale_rewards='std'; expected one of \['group', 'batch', 'none'\]"),
     (dict(loss_type="token"), r"PPOConfig.loss_type='token'; expected one of \['grpo', 'bnpo', 'dapo', 'dr_grpo'\]"),
     (dict(kl_in_loss=True), "kl_in_loss is for the critic-free estimators"),
     (dict(advantage_estimator="reinforce_pp_baseline", num_generations=2, gamma=0.9), "needs gamma = 1"),

@@ -1,7 +1,7 @@
 """Tools in rollouts (issue 21): packing policy and environment tokens, parsing a turn with the chat template's tool
 format, the tool-result tokens, the bounded tool pool, and the turn loop on a scripted generator."""
 
-import time
+import threading
 
 import pytest
 import torch
@@ -34,16 +34,6 @@ def broken(x: int) -> int:
         x: anything.
     """
     raise RuntimeError("disk on fire")
-
-
-def slow(x: int) -> int:
-    """Sleeps.
-
-    Args:
-        x: seconds x 0.1.
-    """
-    time.sleep(0.1 * x)
-    return x
 
 
 async def async_add(a: int, b: int) -> int:
@@ -134,14 +124,40 @@ def test_tool_runner_turns_every_failure_into_a_message():
 
 
 def test_tool_runner_runs_calls_concurrently_and_times_out():
-    tools = tool_dict([slow])
-    runner = ToolRunner(max_workers=4, timeout=0.8)
-    start = time.perf_counter()
-    out = runner.run([(call("slow", x=3), tools), (call("slow", x=3), tools), (call("slow", x=30), tools)])
-    elapsed = time.perf_counter() - start
-    assert out[0] == ("slow", "3", False) and out[1] == ("slow", "3", False)
-    assert out[2][2] and "timed out after 0.8 s" in out[2][1]
-    assert elapsed < 1.5  # the two 0.3 s calls overlapped, the 3 s one did not hold the turn
+    # handshakes, not a stopwatch: each `meet` call waits for the other at a barrier, which only opens when both run
+    # at once; `hang` can only finish once the test sets `release`, after `run` returned, so `run` returning at all,
+    # with the call timed out, shows that it did not wait for it (however fast or slow the machine)
+    barrier, release = threading.Barrier(2, timeout=30), threading.Event()
+
+    def meet(x: int) -> int:
+        """Waits for the other call.
+
+        Args:
+            x: returned.
+        """
+        barrier.wait()
+        return x
+
+    def hang(x: int) -> int:
+        """Blocks until released.
+
+        Args:
+            x: returned.
+        """
+        release.wait(120)
+        return x
+
+    runner = ToolRunner(max_workers=4, timeout=60)
+    out = runner.run([(call("meet", x=1), tool_dict([meet])), (call("meet", x=2), tool_dict([meet]))])
+    assert out == [("meet", "1", False), ("meet", "2", False)], f"the two calls did not run at once: {out}"
+    runner.close()
+
+    runner = ToolRunner(max_workers=4, timeout=0.3)
+    try:
+        out = runner.run([(call("hang", x=1), tool_dict([hang]))])
+        assert out[0][2] and "timed out after 0.3 s" in out[0][1], f"run waited for the call: {out}"
+    finally:
+        release.set()
     runner.close()
 
 

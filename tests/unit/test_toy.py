@@ -58,7 +58,8 @@ def test_answer_for_prompt_agrees_with_make_tasks(tokenizer):
         conv = [{"role": "user", "content": r["prompt"]}]
         assert answer_for_prompt(conv) == r["answer"]
         # a prompt decoded from a rendered chat still yields its answer
-        assert answer_for_prompt(tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)) == r["answer"]
+        rendered = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        assert answer_for_prompt(rendered) == r["answer"]
 
 
 def test_prompts_and_answers_are_short(tokenizer):
@@ -164,7 +165,8 @@ def test_tokenizer_special_tokens_and_digits(tokenizer):
     # prompt + completion tokenizes as prompt tokens followed by completion tokens
     for r in make_tasks(50):
         joint = tokenizer(r["prompt"] + r["answer"])["input_ids"]
-        assert joint == tokenizer(r["prompt"])["input_ids"] + tokenizer(r["answer"], add_special_tokens=False)["input_ids"]
+        apart = tokenizer(r["prompt"])["input_ids"] + tokenizer(r["answer"], add_special_tokens=False)["input_ids"]
+        assert joint == apart
 
 
 def test_chat_template_assistant_mask(tokenizer):

@@ -151,8 +151,8 @@ def test_trl_spellings_are_converted_as_trl_does(tmp_path):
 
 # -- types ---------------------------------------------------------------------------------------------
 
-CONFIGS = [(SFTConfig, True), (RewardConfig, True), (DPOConfig, True), (PPOConfig, True), (ModelConfig, False), (DataOptions, False),
-           (SFTDataOptions, False), (PreferenceDataOptions, False)]
+CONFIGS = [(SFTConfig, True), (RewardConfig, True), (DPOConfig, True), (PPOConfig, True), (ModelConfig, False),
+           (DataOptions, False), (SFTDataOptions, False), (PreferenceDataOptions, False)]
 
 
 def _fields_of_kind(cls, kind):
@@ -278,7 +278,8 @@ def test_dft_loss_by_hand():
 
 
 def test_an_old_option_name_ends_a_recipe_with_one_line(capsys):
-    """`recipes/ppo.py --epsilon 0.2` (TRL GRPO's name): `[hf_rlhf] error: ...` naming cliprange, exit 1, no traceback."""
+    """`recipes/ppo.py --epsilon 0.2` (TRL GRPO's name): `[hf_rlhf] error: ...` naming cliprange, exit 1, no
+    traceback."""
     from hf_rlhf.cli.errors import run_recipe
 
     def main():

@@ -3,7 +3,7 @@
 Tests here take a `model_type` parameter (see `zoo_models.MODEL_TYPES`). A test that expects hf_rlhf to refuse an
 architecture records the refusal's message with `record_property("refusal", message)`. With
 `--zoo-results PATH`, every test's outcome (pass / refusal / fail / skip, with its message) is written to PATH as
-JSON, which `tests/zoo/make_table.py` turns into the README's architectures x guarantees table.
+JSON, which `tests/zoo/make_table.py` turns into the architectures x guarantees table of docs/architectures.md.
 """
 
 import json
@@ -46,8 +46,8 @@ def pytest_runtest_logreport(report):
         entry = _OUTCOMES.setdefault(report.nodeid, {"test": props.get("test"), "params": props.get("params", {}),
                                                      "outcome": "passed", "message": None})
         if report.outcome == "failed":
-            entry.update(outcome="failed", message=str(report.longrepr.reprcrash.message
-                                                          if hasattr(report.longrepr, "reprcrash") else report.longrepr))
+            crash = report.longrepr.reprcrash.message if hasattr(report.longrepr, "reprcrash") else report.longrepr
+            entry.update(outcome="failed", message=str(crash))
         elif report.outcome == "skipped":
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             entry.update(outcome="skipped", message=reason.removeprefix("Skipped: "))

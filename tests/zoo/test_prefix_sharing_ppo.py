@@ -128,7 +128,7 @@ def test_training_with_shared_prompts_equals_training_without(tmp_path, model_ty
     # SGD: Adam would divide float-rounding differences of near-zero gradients (an embedding row seen only under
     # the mask) by their own tiny RMS and make them a whole step apart
     for name in w_apart:
-        assert_close(w_shared[name], w_apart[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert_close(w_shared[name], w_apart[name], atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     assert rows_apart == [4] * 4 and all(r < 4 for r in rows_shared), (rows_shared, rows_apart)
     start = dict(build(model_type).named_parameters())
     assert sum(not torch.equal(w_shared[n], start[n]) for n in start) > len(start) // 2  # it trained

@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODULES = ["test_sft_trainer.py", "test_reward_trainer.py", "test_dpo_trainer.py"]
-# TRL tests that fail on hf_rlhf on purpose: README "TRL drop-in" row, each with its own test in
+# TRL tests that fail on hf_rlhf on purpose (docs/trl_compatibility.md), each with its own test in
 # tests/integration/test_trl_preparation.py
 DELIBERATE = {
     "test_sft_trainer.py::TestSFTTrainer::test_padding_free_without_packing_and_max_length_raises":

@@ -94,7 +94,8 @@ CASES = [dict(loss_types=[t]) for t in TRL_DPO_LOSS_TYPES] + [
     dict(loss_types=["sigmoid", "sft"], loss_weights=[0.8, 0.2]),
     dict(loss_types=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]),
     dict(loss_types=["sigmoid"], f_div="forward_kl"), dict(loss_types=["hinge"], f_div="js_divergence"),
-    dict(loss_types=["ipo"], f_div="alpha_divergence", alpha=0.3, dtype=torch.float32), dict(loss_types=["sigmoid"], use_weighting=True),
+    dict(loss_types=["ipo"], f_div="alpha_divergence", alpha=0.3, dtype=torch.float32),
+    dict(loss_types=["sigmoid"], use_weighting=True),
     dict(loss_types=["sigmoid"], ld_alpha=0.5), dict(loss_types=["discopop"], discopop_tau=0.5),
 ]
 

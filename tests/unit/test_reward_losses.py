@@ -1,4 +1,5 @@
-"""Pairwise reward loss, metrics and last-token gathering (`hf_rlhf.losses`, `hf_rlhf.models.value_head`), by hand."""
+"""Pairwise reward loss, metrics and last-token gathering (`hf_rlhf.losses.reward`, `hf_rlhf.models.value_head`),
+by hand."""
 
 import math
 
@@ -66,7 +67,8 @@ def test_metric_sums_and_means_by_hand():
     # correct: 1 > 0 and -0.2 > -0.5 -> 2; margins 1 - 0.5 + 0.3 = 0.8; sums 1.3 and 0.5; 3 pairs
     assert_close(sums, torch.tensor([2.0, 0.8, 1.3, 0.5, 3.0]))
     # a tie counts as wrong
-    assert_close(pairwise_metric_sums(torch.tensor([2.0]), torch.tensor([2.0])), torch.tensor([0.0, 0.0, 2.0, 2.0, 1.0]))
+    assert_close(pairwise_metric_sums(torch.tensor([2.0]), torch.tensor([2.0])),
+                 torch.tensor([0.0, 0.0, 2.0, 2.0, 1.0]))
 
 
 def test_last_token_columns_right_left_and_no_padding():

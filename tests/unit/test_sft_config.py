@@ -1,4 +1,5 @@
-"""Configs: device defaults, validation, unknown options, and every recipe YAML loads."""
+"""SFTConfig (`hf_rlhf.trainers.sft_config`) and ModelConfig: device defaults, validation, unknown options, and every
+SFT recipe YAML loads."""
 
 import dataclasses
 import glob
