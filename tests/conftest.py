@@ -1,6 +1,37 @@
 """Fixtures shared by every test directory."""
 
+import os
+import sys
+
 import pytest
+
+# The suite sets what it needs itself (a user runs the README's command with none of it set): no Hub or datasets
+# look-ups, no telemetry, no tokenizers thread pool. Set here, at conftest import, so that every process a test
+# starts (recipes, `accelerate launch` and its ranks) inherits it too. A test of the online path overrides it
+# locally (`unreachable_hub` in tests/integration/test_hub_errors.py).
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+os.environ.update(OFFLINE_ENV)
+
+
+def set_offline_constants(offline: bool = True) -> None:
+    """huggingface_hub and datasets read their offline flags at import: set those of the modules already imported
+    (a plugin may have imported them before this conftest)."""
+    if "huggingface_hub.constants" in sys.modules:
+        sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = offline
+    if "datasets.config" in sys.modules:
+        sys.modules["datasets.config"].HF_HUB_OFFLINE = sys.modules["datasets.config"].HF_DATASETS_OFFLINE = offline
+
+
+set_offline_constants()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def offline_hub():
+    """The offline environment above, for the whole session (and back to it if a test left it changed)."""
+    os.environ.update(OFFLINE_ENV)
+    set_offline_constants()
+    yield
 
 
 @pytest.fixture

@@ -75,15 +75,16 @@ def load_prompt_data(script_args, model_config, args) -> PromptData:
     """
     from transformers import AutoConfig
 
-    from ..models.loading import load_tokenizer
+    from ..models.loading import hub_errors, load_tokenizer
     from ..rollout.loader import prepare_prompt_dataset, validate_prompt_dataset
 
     train, test = load_text_dataset(script_args, lambda rows: validate_prompt_dataset(rows))
     if test is not None:
         test = validate_prompt_dataset(test)[0]
         test = test.select(range(min(len(test), script_args.eval_size)))
-    config = AutoConfig.from_pretrained(model_config.model_name_or_path, revision=model_config.model_revision,
-                                        trust_remote_code=model_config.trust_remote_code)
+    with hub_errors(model_config.model_name_or_path, revision=model_config.model_revision):
+        config = AutoConfig.from_pretrained(model_config.model_name_or_path, revision=model_config.model_revision,
+                                            trust_remote_code=model_config.trust_remote_code)
     positions = getattr(config, "max_position_embeddings", None)
     train = prepare_prompt_dataset(train, load_tokenizer(model_config), args, max_positions=positions)
     return PromptData(train, test)

@@ -5,6 +5,7 @@
     hf-rlhf ppo --num_processes 2 --accelerate_config ddp --config my_ppo.yaml
     accelerate launch -m hf_rlhf.cli ppo --config my_ppo.yaml
     hf-rlhf env
+    hf-rlhf plan sft --model_name_or_path qwen2.5-0.5b --max_length 2048   # the predicted peak memory
 
 A training subcommand (`sft`, `reward`, `ppo`, `dpo` once `recipes/dpo.py` exists, `chain`) takes the options
 and `--config file.yaml` of its recipe and runs that recipe's `main()`: the same code as `python recipes/<name>.py`.
@@ -25,13 +26,14 @@ PROG = "hf-rlhf"
 
 # name: (recipe it runs or None, one line of help); `dpo` is listed once recipes/dpo.py has a main()
 COMMANDS = {
-    "chain": ("ppo", "the RLHF chain on the embedded toy task: SFT policy and reward model (built if missing), then PPO "
-                     "on the reward model"),
+    "chain": ("ppo", "the RLHF chain on the embedded toy task: SFT policy and reward model (built if missing), "
+                     "then PPO on the reward model"),
     "sft": ("sft", "supervised fine-tuning, full / LoRA / QLoRA (recipes/sft.py)"),
     "reward": ("reward", "a pairwise (Bradley-Terry) reward model (recipes/reward.py)"),
     "ppo": ("ppo", "PPO, GRPO, RLOO, REINFORCE++ on a reward model or function (recipes/ppo.py)"),
     "dpo": ("dpo", "direct preference optimisation (recipes/dpo.py)"),
     "merge": (None, "merge a LoRA adapter into its base model (hf_rlhf.models.merge)"),
+    "plan": (None, "predict a run's peak memory, part by part, before the run (hf_rlhf.training.memory_plan)"),
     "env": (None, "print the versions of torch, transformers, trl, peft, accelerate, deepspeed, bitsandbytes and the "
                   "device"),
 }
@@ -79,10 +81,18 @@ def main(argv: list[str] | None = None) -> int:
 
         print_env()
         return 0
+    if command == "plan":
+        from .plan import main as plan_main
+
+        return plan_main(rest, prog=f"{PROG} plan")
     if command == "merge":
+        from ..models.loading import ModelUnavailableError
         from ..models.merge import main as merge_main
 
-        merge_main(rest, prog=f"{PROG} merge")
+        try:
+            merge_main(rest, prog=f"{PROG} merge")
+        except ModelUnavailableError as e:  # a base model that cannot be loaded: one line, as the recipes say it
+            return error(str(e), 1)
         return 0
     return run_training(command, rest)
 

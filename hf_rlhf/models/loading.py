@@ -7,6 +7,7 @@ driven by one `ModelConfig`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -37,7 +38,8 @@ def quantization_config(model_config: ModelConfig):
     """A `BitsAndBytesConfig` for 4/8-bit loading, or None: `trl.get_quantization_config`. Needs the `qlora` extra.
 
     TRL takes the 4-bit compute dtype from `dtype`, which fails for "auto", and bf16 compute is slow on CPU while fp32
-    is slow on CUDA; so TRL is asked with `dtype` set to `bnb_4bit_compute_dtype` (None: bfloat16 on CUDA, float32 on CPU).
+    is slow on CUDA; so TRL is asked with `dtype` set to `bnb_4bit_compute_dtype` (None: bfloat16 on CUDA, float32 on
+    CPU).
     """
     if not (model_config.load_in_4bit or model_config.load_in_8bit):
         return None
@@ -72,29 +74,178 @@ def _device_map(quantized: bool):
     return {"": "cpu"}
 
 
-def check_model_path(path: str) -> None:
-    """Raise a FileNotFoundError unless `path` is a local directory or a hub id that can be loaded.
+class ModelUnavailableError(FileNotFoundError):
+    """A model, tokenizer or reward model that cannot be loaded from where it was asked for: no such local directory,
+    not a valid hub id, not in the local hub cache while offline, or a Hub that cannot be reached or has no such repo.
 
-    Checked before any other work, so a typo fails with its name instead of huggingface_hub's "Repo id must be in
-    the form ..." or a connection error. Offline (`HF_HUB_OFFLINE=1`), a hub id must be in the local cache.
+    Its message is one line naming the path, what was tried and what to do (`check_model_path`, `hub_errors`); a
+    recipe or an `hf-rlhf` command prints it as its `[hf_rlhf] error: ...` line and exits 1 (`run_recipe`).
+
+    Attributes:
+        kind: "local" (no such local directory, or not a valid hub id), or a hub failure's kind (`hub_failure`):
+            "offline", "unreachable", "no_repo", "gated", "revision".
+    """
+
+    def __init__(self, message: str, kind: str = "local"):
+        super().__init__(message)
+        self.kind = kind
+
+
+LOGIN = "`hf auth login` (or HF_TOKEN)"
+
+
+def _exception_chain(error: BaseException | None):
+    """`error`, then the exceptions it was raised from (or while handling), outermost first."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """Connection errors and timeouts of the socket layer and of the HTTP clients under huggingface_hub and
+    transformers (httpx / httpx2, requests): those already imported, since a module not imported raised nothing."""
+    import socket
+    import sys
+
+    classes = [ConnectionError, TimeoutError, socket.gaierror]
+    for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
+                          ("requests.exceptions", ("ConnectionError", "Timeout"))):
+        loaded = sys.modules.get(module)
+        classes += [c for c in (getattr(loaded, name, None) for name in names) if isinstance(c, type)]
+    return tuple(classes)
+
+
+def hub_failure(error: BaseException) -> tuple[str, BaseException] | None:
+    """Why a hub look-up failed, read from `error` and the exceptions it was raised from (transformers wraps
+    huggingface_hub's errors in an OSError, and those wrap the HTTP client's); None when it is no hub failure.
+
+    Returns:
+        (kind, the exception that tells): kind is "gated", "no_repo" or "revision" (the Hub answered no),
+        "offline" (HF_HUB_OFFLINE or local_files_only: the Hub was not asked, and the cache has no copy) or
+        "unreachable" (a connection error or a timeout, and the cache has no copy).
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    # GatedRepoError before its base RepositoryNotFoundError; OfflineModeIsEnabled before its base ConnectionError
+    kinds = ((GatedRepoError, "gated"), (RepositoryNotFoundError, "no_repo"), (RevisionNotFoundError, "revision"),
+             (OfflineModeIsEnabled, "offline"), (_network_errors(), "unreachable"))
+    cache_miss = None
+    for e in _exception_chain(error):
+        for classes, kind in kinds:
+            if isinstance(e, classes):
+                return kind, e
+        if isinstance(e, LocalEntryNotFoundError) and cache_miss is None:
+            cache_miss = e
+    if cache_miss is not None:  # no cause kept: offline, or the Hub failed in a way not listed above
+        return ("offline" if constants.HF_HUB_OFFLINE else "unreachable"), cache_miss
+    return None
+
+
+def _hub_message(path: str, what: str, kind: str, error: BaseException | None = None) -> str:
+    """The one line of a `ModelUnavailableError` for a hub failure of `kind` (`hub_failure`)."""
+    from huggingface_hub import constants
+
+    endpoint = constants.ENDPOINT
+    detail = ""
+    if error is not None:
+        text = " ".join(str(error).split())
+        detail = f" ({type(error).__name__}: {text[:150] + '...' if len(text) > 150 else text})"
+    local = "no such local directory" if not os.path.isdir(path) else "a local directory that needs files from the Hub"
+    if kind == "offline":
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "local_files_only is set"
+        return (f"{what} {path!r} not found: {local}, and not in the local hub cache ({why}, so the Hub is not "
+                f"asked). Pass a local directory, or download it where the Hub is reachable (`hf download {path}`) "
+                "and load the cached copy with HF_HUB_OFFLINE=1")
+    if kind == "unreachable":
+        return (f"{what} {path!r} not found: {local}, not in the local hub cache, and the Hub at {endpoint} cannot "
+                f"be reached{detail}. Pass a local directory, or download it where the Hub is reachable "
+                f"(`hf download {path}`) and load the cached copy with HF_HUB_OFFLINE=1; a gated or private repo "
+                f"also needs {LOGIN}")
+    if kind == "gated":
+        return (f"{what} {path!r} is a gated repo on the Hub at {endpoint}{detail}: ask for access on its page and "
+                f"log in with {LOGIN}, or pass a local directory")
+    if kind == "revision":
+        return f"{what} {path!r}: the Hub at {endpoint} has no such revision{detail}; check model_revision"
+    return (f"{what} {path!r} not found: {local}, not in the local hub cache, and the Hub at {endpoint} has no such "
+            f"repo, or it is private or gated{detail}. Check the id, or log in with {LOGIN}")
+
+
+def check_model_path(path: str, what: str = "model", *, revision: str | None = None, filename: str = "config.json",
+                     cache_dir: str | None = None, token: str | bool | None = None) -> None:
+    """Raise a `ModelUnavailableError` (a FileNotFoundError) unless `path` is a local directory or a hub id that can
+    be loaded.
+
+    Checked before anything is loaded, so a typo or an unreachable Hub fails at once, in one line naming `path`:
+    not with huggingface_hub's "Repo id must be in the form ...", nor with a connection error chain from inside
+    `from_pretrained` after its retries (~25 s per file). A hub id with `filename` in the local hub cache passes
+    (transformers falls back to the cache when the Hub cannot be reached); offline (`HF_HUB_OFFLINE=1`) one that
+    is not in the cache fails; online, one HEAD request for `filename` (no retries) tells whether the Hub can be
+    reached and has the repo.
+
+    Args:
+        what: how the message names `path` ("model", "reward model", "tokenizer", ...).
+        revision, cache_dir, token: as `from_pretrained` takes them.
+        filename: the file looked for in the cache and on the Hub (a tokenizer: tokenizer_config.json).
     """
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    if os.path.isdir(path):
+    path = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if isinstance(path, str) and os.path.isdir(path):
         return
     try:
         validate_repo_id(path)
     except HFValidationError:
-        raise FileNotFoundError(f"model {path!r} not found: no such local directory, and not a valid hub id "
-                                "('name' or 'org/name')") from None
-    looks_local = path.startswith((".", "/", "~")) or os.path.isfile(path)
-    if looks_local:
-        raise FileNotFoundError(f"model {path!r} not found: no such local directory")
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
-        raise FileNotFoundError(f"model {path!r} not found: no such local directory, and not in the local hub cache "
-                                "(HF_HUB_OFFLINE is set, so the Hub is not asked)")
+        raise ModelUnavailableError(f"{what} {path!r} not found: no such local directory, and not a valid hub id "
+                                    "('name' or 'org/name')") from None
+    if path.startswith((".", "/", "~")) or os.path.isfile(path):
+        raise ModelUnavailableError(f"{what} {path!r} not found: no such local directory")
+    if try_to_load_from_cache(path, filename, cache_dir=cache_dir, revision=revision) is not None:
+        return  # cached, or cached as a file the repo does not have: the repo was loaded before
+    if constants.HF_HUB_OFFLINE:
+        raise ModelUnavailableError(_hub_message(path, what, "offline"), "offline")
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    try:
+        get_hf_file_metadata(hf_hub_url(path, filename, revision=revision), token=token)
+    except Exception as error:  # anything but a hub failure (a file the repo lacks) is left to from_pretrained
+        failure = hub_failure(error)
+        if failure is not None:
+            raise ModelUnavailableError(_hub_message(path, what, *failure), failure[0]) from error
+
+
+@contextlib.contextmanager
+def hub_errors(path: str, what: str = "model", *, check: bool = True, **where):
+    """Load `path` inside this block: a hub failure of what runs there (`hub_failure`: a connection error or
+    timeout, offline mode, a cache miss, a repo that is missing or gated) becomes one `ModelUnavailableError` line
+    naming `path`, what was tried and what to do. The one place every `from_pretrained` of a path goes through.
+
+    Args:
+        what: how the message names `path` ("model", "reward model", "tokenizer", ...).
+        check: first `check_model_path(path, what, **where)` (`where`: revision, filename, cache_dir, token), which
+            fails at once where `from_pretrained` would retry for a while.
+    """
+    if check:
+        check_model_path(path, what, **where)
+    try:
+        yield
+    except ModelUnavailableError:
+        raise
+    except Exception as error:
+        failure = hub_failure(error)
+        if failure is None:
+            raise
+        raise ModelUnavailableError(_hub_message(os.fspath(path), what, *failure), failure[0]) from error
 
 
 def load_model(model_config: ModelConfig, model_class=AutoModelForCausalLM, **kwargs) -> PreTrainedModel:
@@ -105,26 +256,30 @@ def load_model(model_config: ModelConfig, model_class=AutoModelForCausalLM, **kw
     own would be (on this process's device).
 
     Raises:
-        FileNotFoundError: the path is neither a local directory nor a hub id (`check_model_path`).
+        ModelUnavailableError: (a FileNotFoundError) the path is neither a local directory nor a hub id that can be
+            loaded: not in the local hub cache while offline, or the Hub cannot be reached or has no such repo (one
+            line, `hub_errors`).
     """
     if model_config.model_name_or_path is None:
         raise ValueError("ModelConfig.model_name_or_path is None: pass a hub id or a local path.")
-    check_model_path(model_config.model_name_or_path)
-    quant = quantization_config(model_config)
-    init = dict(
-        revision=model_config.model_revision,
-        trust_remote_code=model_config.trust_remote_code,
-        attn_implementation=model_config.attn_implementation,
-        dtype=resolve_dtype(model_config.dtype),
-    )
-    if quant is not None:
-        init.update(quantization_config=quant, device_map=_device_map(True))
-    if kwargs.get("quantization_config") is not None and "device_map" not in kwargs:
-        init["device_map"] = _device_map(True)
-    if isinstance(kwargs.get("dtype"), str):
-        kwargs = {**kwargs, "dtype": resolve_dtype(kwargs["dtype"])}
-    init.update(kwargs)
-    model = model_class.from_pretrained(model_config.model_name_or_path, **init)
+    path = model_config.model_name_or_path
+    with hub_errors(path, revision=kwargs.get("revision", model_config.model_revision),
+                    cache_dir=kwargs.get("cache_dir"), token=kwargs.get("token")):
+        quant = quantization_config(model_config)
+        init = dict(
+            revision=model_config.model_revision,
+            trust_remote_code=model_config.trust_remote_code,
+            attn_implementation=model_config.attn_implementation,
+            dtype=resolve_dtype(model_config.dtype),
+        )
+        if quant is not None:
+            init.update(quantization_config=quant, device_map=_device_map(True))
+        if kwargs.get("quantization_config") is not None and "device_map" not in kwargs:
+            init["device_map"] = _device_map(True)
+        if isinstance(kwargs.get("dtype"), str):
+            kwargs = {**kwargs, "dtype": resolve_dtype(kwargs["dtype"])}
+        init.update(kwargs)
+        model = model_class.from_pretrained(path, **init)
     keep_4bit_differentiable(model)  # training, rollouts and evaluation then compute alike (see its docstring)
     return model
 
@@ -158,12 +313,16 @@ def resolve_model(model, model_config: ModelConfig | None, model_class=AutoModel
 
 
 def load_tokenizer(model_config: ModelConfig, padding_side: str = "right"):
-    return AutoTokenizer.from_pretrained(
-        model_config.model_name_or_path,
-        revision=model_config.model_revision,
-        trust_remote_code=model_config.trust_remote_code,
-        padding_side=padding_side,
-    )
+    """`AutoTokenizer.from_pretrained` of `model_config`'s path; a path that cannot be loaded is one line
+    (`hub_errors`)."""
+    path = model_config.model_name_or_path
+    with hub_errors(path, revision=model_config.model_revision, filename="tokenizer_config.json"):
+        return AutoTokenizer.from_pretrained(
+            path,
+            revision=model_config.model_revision,
+            trust_remote_code=model_config.trust_remote_code,
+            padding_side=padding_side,
+        )
 
 
 def is_quantized(model) -> bool:

@@ -1,6 +1,8 @@
 """Merge a LoRA adapter into its base model and save a plain transformers model.
 
-    python -m hf_rlhf.models.merge --adapter outputs/sft --output outputs/sft-merged [--base_model_name_or_path path] [--dtype float32]
+    python -m hf_rlhf.models.merge --adapter outputs/sft --output outputs/sft-merged [--dtype float32]
+
+(`--base_model_name_or_path path` when the base is not the adapter's own `base_model_name_or_path`.)
 
 The merged model's logits match the adapter model's (on the same, unquantized base). A QLoRA adapter is
 merged into the base loaded in `--dtype` (not 4-bit): merging into 4-bit weights would round the sum.
@@ -16,7 +18,7 @@ import tempfile
 
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from .loading import resolve_dtype
+from .loading import ModelUnavailableError, hub_errors, resolve_dtype
 
 
 def _recorded_base(adapter_dir: str) -> str:
@@ -46,16 +48,17 @@ def load_merged(adapter_dir: str, base_model: str | None = None, dtype: str = "f
         else (AutoPeftModelForSequenceClassification, AutoModelForSequenceClassification, {"num_labels": 1}))
     kwargs["dtype"] = resolve_dtype(dtype)
     base = base_model or recorded
+    where = "given as --base_model_name_or_path" if base_model else "recorded in adapter_config.json"
     try:
-        if base_model is None:
-            model = auto_class.from_pretrained(adapter_dir, **kwargs)
-        else:
-            model = PeftModel.from_pretrained(model_class.from_pretrained(base_model, **kwargs), adapter_dir)
+        with hub_errors(base, "base model"):
+            if base_model is None:
+                model = auto_class.from_pretrained(adapter_dir, **kwargs)
+            else:
+                model = PeftModel.from_pretrained(model_class.from_pretrained(base_model, **kwargs), adapter_dir)
     except OSError as err:
-        if os.path.isdir(base):
-            raise
-        where = "given as --base_model_name_or_path" if base_model else "recorded in adapter_config.json"
-        raise FileNotFoundError(
+        if os.path.isdir(base) or getattr(err, "kind", "local") not in ("local", "offline"):
+            raise  # a Hub that cannot be reached or has no such repo: hub_errors' own line
+        raise ModelUnavailableError(
             f"base model {base!r} {where} not found: pass --base_model_name_or_path (a local directory, or a hub "
             "id, in the Hugging Face cache when offline)") from err
     return model.merge_and_unload()

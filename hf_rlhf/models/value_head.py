@@ -31,7 +31,7 @@ from transformers.utils import ModelOutput
 
 from ..tensors import last_true_indices
 from .adapters import unwrap_peft
-from .loading import load_weights
+from .loading import hub_errors, load_weights
 
 REWARD_STATS_FILE = "reward_stats.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -213,10 +213,12 @@ class ValueHeadModel(nn.Module):
             from peft import PeftConfig, PeftModel
 
             base_path = PeftConfig.from_pretrained(directory).base_model_name_or_path
-            base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+            with hub_errors(base_path, "base model", revision=kwargs.get("revision")):
+                base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
             model = PeftModel.from_pretrained(base, directory)
         else:
-            model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+            with hub_errors(directory, revision=kwargs.get("revision")):
+                model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
         value_model = cls(model)
         value_model.load_value_head(directory)
         return value_model

@@ -7,6 +7,7 @@
     http_client.py   `HTTPReward`: a reward served over HTTP (this project's JSON protocol or OpenRLHF's)
     server.py        `RewardServer`: the reference server (`python -m hf_rlhf.rewards.server`)
     factory.py       `build_reward_source`: what a user passes as `reward_model` -> a source
+    weighted.py      `WeightedRewards`: TRL's `reward_funcs` list as one source (weighted sum, per-function metrics)
 
 Names load on first use: `import hf_rlhf.rewards` imports none of transformers, peft or the HTTP modules.
 """

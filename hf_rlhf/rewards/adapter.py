@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..models.adapters import adapter_scope, set_adapter_requires_grad, unwrap_peft
+from ..models.loading import hub_errors
 from ..models.value_head import VALUE_HEAD_FILE, backbone_of, gather_last_token_scores, load_reward_stats
 from .base import TokenizedReward
 
@@ -92,7 +93,8 @@ def attach_reward_adapter(policy: nn.Module, spec: RewardAdapter, tokenizer, bat
     weights_file = os.path.join(spec.path, SAFETENSORS_WEIGHTS_NAME)
     if not os.path.isfile(weights_file):
         raise FileNotFoundError(f"{weights_file} not found: {spec.path} is not a LoRA reward adapter directory")
-    config = PeftConfig.from_pretrained(spec.path)
+    with hub_errors(spec.path, "reward adapter", filename="adapter_config.json"):
+        config = PeftConfig.from_pretrained(spec.path)
     if config.peft_type != policy.peft_config[policy.active_adapter].peft_type:
         raise ValueError(f"the reward adapter is {config.peft_type}, the policy's is "
                          f"{policy.peft_config[policy.active_adapter].peft_type}; both must be LoRA")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import AutoTokenizer
 
+from ..models.loading import check_model_path, hub_errors
 from ..models.value_head import load_reward_stats, reward_config_of
 from .adapter import RewardAdapter, attach_reward_adapter
 from .base import FunctionReward
@@ -13,6 +14,19 @@ from .http_client import HTTPReward
 from .model import ModelReward, find_file, load_reward_model
 
 ADAPTER_PREFIX = "adapter:"
+
+
+def check_reward_model_path(reward_model) -> None:
+    """Fail at once for a reward model given by a path that cannot be loaded (`check_model_path`: no such local
+    directory, or a hub id not in the local hub cache while offline, or on a Hub that cannot be reached or has no
+    such repo), so that a run fails before its policy is loaded. URLs, `adapter:` paths and anything that is not a
+    path are left to `build_reward_source`.
+
+    Raises:
+        ModelUnavailableError: one line naming the path.
+    """
+    if isinstance(reward_model, str) and not reward_model.startswith(("http://", "https://", ADAPTER_PREFIX)):
+        check_model_path(reward_model, "reward model")
 
 
 def build_reward_source(reward_model, reward_processing_class=None, *, batch_size: int = 64, model_config=None,
@@ -61,8 +75,9 @@ def build_reward_source(reward_model, reward_processing_class=None, *, batch_siz
     if isinstance(reward_model, nn.Module):
         if reward_processing_class is None:
             saved_with = path if path is not None and find_file(path, "tokenizer_config.json") else None
-            reward_processing_class = AutoTokenizer.from_pretrained(
-                saved_with or reward_config_of(reward_model)._name_or_path)
+            tokenizer_path = saved_with or reward_config_of(reward_model)._name_or_path
+            with hub_errors(tokenizer_path, "reward model tokenizer", filename="tokenizer_config.json"):
+                reward_processing_class = AutoTokenizer.from_pretrained(tokenizer_path)
         if device is not None and getattr(reward_model, "hf_device_map", None) is None:
             reward_model = reward_model.to(device)
         return ModelReward(reward_model, reward_processing_class, batch_size=batch_size, reward_stats=reward_stats)

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import CONFIG_NAME, cached_file
 
-from ..models.loading import load_model, resolve_dtype
+from ..models.loading import hub_errors, load_model, resolve_dtype
 from ..models.value_head import (
     VALUE_HEAD_FILE,
     ValueHeadModel,
@@ -149,19 +149,24 @@ def load_reward_model(path: str, model_config: ModelConfig | None = None) -> nn.
     Returns:
         A sequence-classification model (num_labels=1), a `ValueHeadModel`, or a `PeftModel` of a
         sequence-classification model on its base, in eval mode.
+
+    Raises:
+        ModelUnavailableError: `path` (or the base of an adapter) cannot be loaded: one line (`hub_errors`).
     """
-    kind = reward_model_kind(path)
     config = replace(model_config or ModelConfig(), model_name_or_path=path, use_peft=False, load_in_4bit=False,
                      load_in_8bit=False)
-    if kind == VALUE_HEAD:
-        model = ValueHeadModel.from_pretrained(path, dtype=resolve_dtype(config.dtype),
-                                               attn_implementation=config.attn_implementation,
-                                               trust_remote_code=config.trust_remote_code)
-    elif kind == SEQUENCE_CLASSIFICATION_ADAPTER:
-        base_path = PeftConfig.from_pretrained(path).base_model_name_or_path
-        base = load_model(replace(config, model_name_or_path=base_path), AutoModelForSequenceClassification,
-                          num_labels=1)
-        model = PeftModel.from_pretrained(base, path)
-    else:
-        model = load_model(config, AutoModelForSequenceClassification, num_labels=1)
+    # checked before its files are looked for: `find_file` takes a Hub that cannot be reached for a missing file
+    with hub_errors(path, "reward model", revision=config.model_revision):
+        kind = reward_model_kind(path)
+        if kind == VALUE_HEAD:
+            model = ValueHeadModel.from_pretrained(path, dtype=resolve_dtype(config.dtype),
+                                                   attn_implementation=config.attn_implementation,
+                                                   trust_remote_code=config.trust_remote_code)
+        elif kind == SEQUENCE_CLASSIFICATION_ADAPTER:
+            base_path = PeftConfig.from_pretrained(path).base_model_name_or_path
+            base = load_model(replace(config, model_name_or_path=base_path), AutoModelForSequenceClassification,
+                              num_labels=1)
+            model = PeftModel.from_pretrained(base, path)
+        else:
+            model = load_model(config, AutoModelForSequenceClassification, num_labels=1)
     return model.eval()

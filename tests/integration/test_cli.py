@@ -171,7 +171,7 @@ def test_ppo_help_groups_the_options_by_config_class(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: hf-rlhf ppo ")
     headings = ["ScriptArguments (recipes.ppo):", "ToyChainArguments (hf_rlhf.toy.chain):",
-                "ModelConfig (hf_rlhf.trainers):", "PPOConfig (hf_rlhf.trainers.ppo_config):"]
+                "ModelConfig (hf_rlhf.trainers.model_config):", "PPOConfig (hf_rlhf.trainers.ppo_config):"]
     at = [out.index(h) for h in headings]
     assert at == sorted(at)
     listed = {opt: out.index(f"\n  {opt} ") for opt in ("--reward_model_path", "--build_missing", "--lora_r",

@@ -290,7 +290,8 @@ def test_eval_packing_shuffle_and_skip_prepare(tmp_path, tokenizer):
     shuffled = SFTTrainer(build_toy_model(tokenizer), sft_args(tmp_path, shuffle_dataset=True), train_dataset=rows,
                           processing_class=tokenizer)
     assert shuffled.train_dataset["input_ids"] != plain.train_dataset["input_ids"]
-    assert sorted(map(tuple, shuffled.train_dataset["input_ids"])) == sorted(map(tuple, plain.train_dataset["input_ids"]))
+    assert (sorted(map(tuple, shuffled.train_dataset["input_ids"]))
+            == sorted(map(tuple, plain.train_dataset["input_ids"])))
 
     tokenized = plain.train_dataset
     skipped = SFTTrainer(build_toy_model(tokenizer), sft_args(tmp_path, dataset_kwargs={"skip_prepare_dataset": True}),
