@@ -298,13 +298,7 @@ def token_statistics(logits: torch.Tensor, target: torch.Tensor, mask: torch.Ten
     mask = mask.to(logits.dtype)
     logprobs_all = logits.log_softmax(-1)
     token_logps = torch.gather(logprobs_all, -1, target.unsqueeze(-1)).squeeze(-1) * mask
-    if ld_alpha is None:
-        logps = token_logps.sum(1)
-    else:
-        pos = mask.cumsum(1)
-        lengths = mask.sum(1)
-        shared = torch.minimum(*lengths.chunk(2)).repeat(2).unsqueeze(1)
-        logps = (token_logps * ((pos > 0) & (pos <= shared))).sum(1) + ld_alpha * (token_logps * (pos > shared)).sum(1)
+    logps = _sequence_logps(token_logps, mask, ld_alpha)
     with torch.no_grad():
         probs = logprobs_all.exp()
         entropy = -(probs * logprobs_all).sum(-1)
@@ -312,6 +306,41 @@ def token_statistics(logits: torch.Tensor, target: torch.Tensor, mask: torch.Ten
     return {"logps": logps, "token_logps": token_logps, "mask": mask, "lengths": mask.sum(1),
             "entropy": entropy, "mean_logits": logits.detach().mean(-1),
             "is_top1": logits.detach().argmax(-1) == target, "log_sum_sq_probs": log_sum_sq}
+
+
+def _sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None) -> torch.Tensor:
+    """(N,) summed log-probs of masked (N, L) token log-probs; LD-DPO's weighting with `ld_alpha`."""
+    if ld_alpha is None:
+        return token_logps.sum(1)
+    pos = mask.cumsum(1)
+    shared = torch.minimum(*mask.sum(1).chunk(2)).repeat(2).unsqueeze(1)
+    return (token_logps * ((pos > 0) & (pos <= shared))).sum(1) + ld_alpha * (token_logps * (pos > shared)).sum(1)
+
+
+def scored_token_statistics(mask: torch.Tensor, logprobs: torch.Tensor, entropy: torch.Tensor, top1: torch.Tensor,
+                            mean_logits: torch.Tensor, log_sum_sq: torch.Tensor,
+                            ld_alpha: float | None = None) -> dict[str, torch.Tensor]:
+    """`token_statistics` from per-token values already computed at the scored positions (the chunked LM head's,
+    `hf_rlhf.models.lm_head`, which never forms the logits).
+
+    Args:
+        mask: (N, L) 1 where a token is scored. logprobs (differentiable), entropy, top1, mean_logits, log_sum_sq:
+            (M,) each, M = mask.sum(), in the order of `mask`'s nonzero entries.
+        ld_alpha: see `completion_logps`.
+
+    Returns:
+        As `token_statistics`; 0 (False) at the positions outside `mask`.
+    """
+    keep = mask.bool()
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(keep.shape, dtype=values.dtype, device=keep.device).masked_scatter(keep, values)
+
+    token_logps = scatter(logprobs)
+    mask = mask.to(token_logps.dtype)
+    return {"logps": _sequence_logps(token_logps, mask, ld_alpha), "token_logps": token_logps, "mask": mask,
+            "lengths": mask.sum(1), "entropy": scatter(entropy.detach()), "mean_logits": scatter(mean_logits),
+            "is_top1": scatter(top1), "log_sum_sq_probs": scatter(log_sum_sq)}
 
 
 def wpo_weights(token_logps: torch.Tensor, log_sum_sq_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,9 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from ..rollout.shared_prompts import shared_prompt_layout
-from ..tensors import additive_mask
+from ..tensors import additive_mask, entropy_from_logits, logprobs_from_logits
 from .adapters import adapter_parameter_names, adapter_scope, set_adapter_requires_grad, unwrap_peft
+from .lm_head import LMHead, last_hidden_states
 from .loading import load_weights
 from .value_head import VALUE_HEAD_FILE, ValueHeadModel, backbone_of, find_score_head, new_value_head, token_scores
 
@@ -47,6 +48,7 @@ class PolicyValueOutput(ModelOutput):
 
     logits: torch.Tensor | None = None
     token_values: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None  # (B, T', H) the policy's last hidden states, with `return_hidden`
 
 
 class PolicyAndValue(nn.Module):
@@ -85,14 +87,22 @@ class PolicyAndValue(nn.Module):
         self.main_input_name = "response_ids"
         self.supports_gradient_checkpointing = getattr(unwrap_peft(policy), "supports_gradient_checkpointing", False)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep: int = 0) -> PolicyValueOutput:
-        """Per-token logits (the last `logits_to_keep` positions; 0: all) and values (all positions), float32."""
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep: int = 0,
+                return_hidden: bool = False) -> PolicyValueOutput:
+        """Per-token logits (the last `logits_to_keep` positions; 0: all) and values (all positions), float32.
+
+        return_hidden: the policy's last hidden states (those positions) instead of the logits, for the LM head in
+        chunks of tokens (`hf_rlhf.models.lm_head`)."""
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         shared = self.reads_policy_hidden
-        out = self.policy(**inputs, logits_to_keep=logits_to_keep, output_hidden_states=shared)
+        if return_hidden:
+            last, out = last_hidden_states(self.policy, **inputs)
+        else:
+            out = self.policy(**inputs, logits_to_keep=logits_to_keep, output_hidden_states=shared)
+            last = out.hidden_states[-1] if shared else None  # after the final norm, as the LM head sees it
         if self.value_head is not None:
             if shared:
-                hidden = out.hidden_states[-1]  # after the final norm, as the LM head sees it
+                hidden = last
             else:  # (c): the same base under the value adapter; the LM head is skipped
                 if torch.is_grad_enabled():
                     self.require_value_grads()  # before the scope, which restores the flags it finds on entry
@@ -103,6 +113,11 @@ class PolicyAndValue(nn.Module):
             values = token_scores(self.value_model, self._value_score_head, inputs)
         else:
             values = None
+        if return_hidden:
+            # the forward's empty (B, 0, V) logits go out too: DDP (find_unused_parameters) finds the LM head used
+            # through them, the head applied to the hidden states after this forward returns
+            return PolicyValueOutput(logits=getattr(out, "logits", None), token_values=values,
+                                     hidden=last[:, -logits_to_keep:] if logits_to_keep else last)
         return PolicyValueOutput(logits=out.logits, token_values=values)
 
     @property
@@ -206,22 +221,76 @@ def response_logits(model: nn.Module, query_ids, query_mask, response_ids, respo
         (logits (B, R, V), values (B, R) or None for a plain causal LM, extra logits (B2, L, V) or None):
         position t is what the model predicts for response token t, i.e. its output at the token before it.
     """
+    logits, values, extra = _response_outputs(model, query_ids, query_mask, response_ids, response_mask, extra_rows,
+                                              share_prompts, hidden=False)
+    return logits / temperature, values, extra
+
+
+def response_scores(model: nn.Module, head: LMHead | None, query_ids, query_mask, response_ids, response_mask,
+                    temperature: float = 1.0, share_prompts: bool = False, entropy_grad: bool = False,
+                    extra_rows: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Log-probs and entropy of the response tokens: `response_logits` reduced per token.
+
+    With an `LMHead` (`hf_rlhf.models.lm_head`) the model returns its last hidden states and the head runs in chunks
+    of the response tokens where `response_mask` is 1, never the (B, R, V) logits; those tokens' log-probs and
+    entropies equal the full logits' (to float rounding), every other position is 0. Without one (or with
+    `extra_rows`, whose loss reads their logits) the full logits.
+
+    Args:
+        head: the model's split LM head (its policy's for a `PolicyAndValue`), or None.
+        entropy_grad: the entropy keeps its graph (an entropy bonus); else it is detached.
+        Others: as `response_logits`.
+
+    Returns:
+        (logprobs (B, R), entropy (B, R), values (B, R) or None, extra logits (B2, L, V) or None).
+    """
+    if head is None or extra_rows is not None:
+        logits, values, extra = response_logits(model, query_ids, query_mask, response_ids, response_mask,
+                                                temperature, extra_rows, share_prompts)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits)
+        return logprobs_from_logits(logits, response_ids), entropy, values, extra
+    hidden, values, _ = _response_outputs(model, query_ids, query_mask, response_ids, response_mask, None,
+                                          share_prompts, hidden=True)
+    keep = response_mask.bool()
+    logprobs, entropy, *_ = head.token_logprobs(hidden[keep], response_ids[keep], temperature, with_entropy=True)
+    if not entropy_grad:
+        entropy = entropy.detach()
+    zeros = torch.zeros(keep.shape, dtype=logprobs.dtype, device=keep.device)
+    return (zeros.masked_scatter(keep, logprobs.to(keep.device)), zeros.masked_scatter(keep, entropy.to(keep.device)),
+            values, None)
+
+
+def _run(model: nn.Module, inputs: dict, keep: int, hidden: bool):
+    """(the last `keep` positions' logits or last hidden states (0: all), values or None) of one forward."""
+    if not hidden:
+        out = model(**inputs, logits_to_keep=keep)
+        return out.logits, _values_of(out)
+    if isinstance(getattr(model, "module", model), PolicyAndValue):  # through a DDP / DeepSpeed wrapper's forward
+        out = model(**inputs, logits_to_keep=keep, return_hidden=True)
+        return out.hidden, _values_of(out)
+    last, _ = last_hidden_states(model, **inputs, use_cache=False)
+    return (last[:, -keep:] if keep else last), None
+
+
+def _response_outputs(model, query_ids, query_mask, response_ids, response_mask, extra_rows, share_prompts,
+                      hidden: bool):
+    """`response_logits` before the temperature, or with `hidden` the last hidden states in place of the logits."""
     layout = shared_prompt_layout(query_ids, query_mask, response_ids, response_mask) if (
         share_prompts and extra_rows is None) else None
     if layout is not None:
         inputs = dict(layout.inputs)
         if _attention_of(model) == "eager":  # eager adds the mask to its scores
             inputs["attention_mask"] = additive_mask(inputs["attention_mask"])
-        out = model(**inputs, logits_to_keep=layout.keep)
-        values = _values_of(out)
+        outputs, values = _run(model, inputs, layout.keep, hidden)
         if values is not None:
             values = layout.gather(values[:, -layout.keep:])
-        return layout.gather(out.logits) / temperature, values, None
+        return layout.gather(outputs), values, None
     inputs = sequence_inputs(query_ids, query_mask, response_ids, response_mask)
     length = response_ids.shape[1]
     if extra_rows is None:
-        out = model(**inputs, logits_to_keep=length + 1)
-        logits, values, extra = out.logits[:, :-1], _values_of(out), None
+        outputs, values = _run(model, inputs, length + 1, hidden)
+        outputs, extra = outputs[:, :-1], None
     else:
         extra_ids, extra_mask = extra_rows
         width = max(inputs["input_ids"].shape[1], extra_ids.shape[1])
@@ -233,12 +302,12 @@ def response_logits(model: nn.Module, query_ids, query_mask, response_ids, respo
                    for key in inputs}
         out = model(**stacked)
         end, rows = inputs["input_ids"].shape[1], query_ids.shape[0]
-        logits, extra = out.logits[:rows, end - length - 1:end - 1], out.logits[rows:, :extra_ids.shape[1]]
+        outputs, extra = out.logits[:rows, end - length - 1:end - 1], out.logits[rows:, :extra_ids.shape[1]]
         values = _values_of(out)
         values = None if values is None else values[:rows, :end]
     if values is not None:
         values = values[:, -length - 1:-1]
-    return logits / temperature, values, extra
+    return outputs, values, extra
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """`RolloutMaker`: prompts in, `Experience` out (generate, score, reference, KL-shaped rewards, advantages).
 
 The steps follow Ziegler et al. 2019 / Stiennon et al. 2020 as `trl.PPOTrainer` implements them; the math is
-the pure functions of `hf_rlhf.rl`, `hf_rlhf.losses` and `hf_rlhf.tensors`, so this file only orders the calls and moves tensors.
+the pure functions of `hf_rlhf.rl`, `hf_rlhf.losses` and `hf_rlhf.tensors`, so this file only orders the calls and
+moves tensors.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from trl.models.utils import unwrap_model_for_generation
 from ..collators import LeftPaddingCollator
 from ..generation import GenerationOutput, build_engine
 from ..models.adapters import adapter_scope, unwrap_peft
-from ..models.policy_value import response_logits
+from ..models.policy_value import response_scores
 from ..rewards.base import RewardError, check_scores
 from ..rl.critic_free import informative_groups, truncated_loss_mask
 from ..rl.estimators import estimate_advantages
@@ -25,7 +26,6 @@ from ..tensors import (
     first_true_indices,
     left_padding,
     length_sorted_chunks,
-    logprobs_from_logits,
     padding_bounds,
     rejoin_chunks,
 )
@@ -71,11 +71,13 @@ class RolloutMaker:
         capture_decoding: the old log-probs (and a value head's values) come off the decoding forwards instead of a
             policy forward (`PPOConfig.logprobs_from_generation` as `PPOTrainer` resolved it: an engine that returns
             them, one turn, old log-probs needed at all).
+        lm_heads: (the policy's, the reference's) `LMHead` for the log-probs from hidden states in chunks of tokens
+            (`PPOConfig.chunked_lm_head`, `hf_rlhf.models.lm_head`); None: from the full logits.
     """
 
     def __init__(self, args, tokenizer, compute_rewards, accelerator, ref_model=None, reward_stats=None,
                  tool_rollout: ToolRollout | None = None, row_tools=None, rollout_func=None,
-                 share_prompts: bool = False, capture_decoding: bool = False):
+                 share_prompts: bool = False, capture_decoding: bool = False, lm_heads=(None, None)):
         self.args, self.tokenizer, self.compute_rewards = args, tokenizer, compute_rewards
         self.accelerator, self.ref_model, self.reward_stats = accelerator, ref_model, reward_stats
         self.collator = LeftPaddingCollator(tokenizer.pad_token_id)
@@ -93,6 +95,7 @@ class RolloutMaker:
         # `PPOConfig.logprobs_from_generation` as the trainer resolved it (turned off by a failed first check)
         self.capture_decoding = capture_decoding
         self._capture_checked = False
+        self.lm_heads = lm_heads
 
     @torch.no_grad()
     def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None, refill=None):
@@ -139,8 +142,9 @@ class RolloutMaker:
                 old_logprobs, old_values = decoded
         if self.tool_rollout is not None or self.rollout_func is not None:  # environment tokens: never the policy's
             keep = response_mask.bool()
-            old_logprobs, old_values, ref_logprobs = (torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
-                                                      for t in (old_logprobs, old_values, ref_logprobs))
+            old_logprobs, old_values, ref_logprobs = (
+                torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
+                for t in (old_logprobs, old_values, ref_logprobs))
 
         # step 6. per-token KL, score shaping, then the estimator's rewards and advantages (GAE, GRPO, ...)
         if args.old_logprobs_in_loss or not args.uses_reference:  # no KL in the rewards (the loss computes it)
@@ -213,8 +217,8 @@ class RolloutMaker:
     def _tool_stats(self) -> dict[str, float]:
         """TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failed / calls), over
         every rank's completions of this rollout."""
-        calls, failures, completions = self.accelerator.reduce(
-            torch.tensor([float(c) for c in self._tool_counts], device=self.accelerator.device), reduction="sum").tolist()
+        counts = torch.tensor([float(c) for c in self._tool_counts], device=self.accelerator.device)
+        calls, failures, completions = self.accelerator.reduce(counts, reduction="sum").tolist()
         return {"tools/call_frequency": calls / max(completions, 1.0),
                 "tools/failure_frequency": failures / calls if calls else 0.0}
 
@@ -342,19 +346,17 @@ class RolloutMaker:
             part = [query_ids[rows, q_start:], query_mask[rows, q_start:], response_ids[rows, :r_end],
                     response_mask[rows, :r_end]]
             if policy:
-                logits, value, _ = response_logits(model, *part, temperature=args.temperature,
-                                                   share_prompts=self.share_prompts)
-                logprobs.append(logprobs_from_logits(logits, part[2]))
+                logprob, _, value, _ = response_scores(model, self.lm_heads[0], *part, temperature=args.temperature,
+                                                       share_prompts=self.share_prompts)
+                logprobs.append(logprob)
                 values.append(value if value is not None else torch.zeros_like(logprobs[-1]))  # critic-free
-                del logits
             else:
                 logprobs.append(torch.zeros(part[2].shape, device=part[2].device))
                 values.append(torch.zeros_like(logprobs[-1]))
             if not args.uses_reference:  # β fixed at 0: no reference forward (its log-probs stay 0, never read)
                 ref_logprobs.append(torch.zeros(part[2].shape, device=part[2].device))
                 continue
-            ref_logits = self._reference_logits(model.policy, part)
-            ref_logprobs.append(logprobs_from_logits(ref_logits, part[2]))
+            ref_logprobs.append(self._reference_logprobs(model.policy, part))
         # zeros past each chunk's width (after every row's end), rows in the caller's order
         return tuple(rejoin_chunks(parts, order, width) for parts in (logprobs, values, ref_logprobs))
 
@@ -366,15 +368,15 @@ class RolloutMaker:
             return length_sorted_chunks(query_mask.sum(1), size)
         return list(torch.arange(batch, device=query_mask.device).split(size))
 
-    def _reference_logits(self, policy, part):
+    def _reference_logprobs(self, policy, part):
+        """The reference's log-probs of the response tokens (B, R): the frozen copy, or the policy adapters off."""
+        options = dict(temperature=self.args.temperature, share_prompts=self.share_prompts)
         if self.ref_model is not None:
-            return response_logits(self.ref_model, *part, temperature=self.args.temperature,
-                                   share_prompts=self.share_prompts)[0]
+            return response_scores(self.ref_model, self.lm_heads[1], *part, **options)[0]
         if unwrap_peft(policy) is policy:
             raise ValueError("no reference model: pass ref_model, or use a PeftModel policy (reference = adapters off)")
         with adapter_scope(policy, None):  # the LoRA policy's base is the reference; requires_grad restored after
-            return response_logits(policy, *part, temperature=self.args.temperature,
-                                   share_prompts=self.share_prompts)[0]
+            return response_scores(policy, self.lm_heads[1], *part, **options)[0]
 
     def _decoded_scores(self, model, captured, response_mask):
         """(old log-probs, old values), each (B, R), from what the decoding captured; zero after a row's end. The

@@ -29,7 +29,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from ..data import column_names
 from ..data.streaming import is_streamed
 from ..models.adapters import unwrap_peft
-from ..models.loading import apply_lora, lora_config
+from ..models.loading import apply_lora, hub_errors, lora_config
 from ..models.value_head import ValueHeadModel, reward_config_of
 from ..training.checkpoints import AtomicCheckpointMixin
 from ..training.nonfinite import NonFiniteGuardMixin
@@ -56,8 +56,8 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
     def resolve_args(cls, args):
         """`args` as a `config_class`: itself; a default `config_class(output_dir=default_output_dir)` for None; or,
         for another `TrainingArguments` (a plain one, or TRL's config), its fields converted as TRL does
-        (`config_class(**args.to_dict())`, the masked `*_token` fields kept). A field `config_class` lacks is an error when it
-        was set (left at its default, it is dropped)."""
+        (`config_class(**args.to_dict())`, the masked `*_token` fields kept). A field `config_class` lacks is an error
+        when it was set (left at its default, it is dropped)."""
         config_class = cls.config_class
         if args is None:
             return config_class(output_dir=cls.default_output_dir)
@@ -135,7 +135,8 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
                         "a dataset with Dataset.with_transform() cannot be prepared: preparation calls Dataset.map(), "
                         "which reads through the transform and would bake a random or stateful transform into the "
                         "tokenized columns. Pass dataset_kwargs={'skip_prepare_dataset': True} and make the transform "
-                        "return trainer-ready rows (tokenized, as TRL), or apply a deterministic transform with Dataset.map() first.")
+                        "return trainer-ready rows (tokenized, as TRL), or apply a deterministic transform with "
+                        "Dataset.map() first.")
                 if {"input_ids", "chosen_ids"} & set(column_names(dataset)):
                     continue
                 check(dataset)
@@ -154,7 +155,9 @@ class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
         revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
         if revision is not None:
             kwargs["revision"] = revision
-        return AutoTokenizer.from_pretrained(reward_config_of(model)._name_or_path, **kwargs)
+        path = reward_config_of(model)._name_or_path
+        with hub_errors(path, "tokenizer", revision=revision, filename="tokenizer_config.json"):
+            return AutoTokenizer.from_pretrained(path, **kwargs)
 
     @staticmethod
     def add_peft(model, model_config, args, peft_config=None, task_type: str | None = None,

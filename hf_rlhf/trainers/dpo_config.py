@@ -47,6 +47,11 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         position, with a log line saying why; False: every position always (as trl 1.16 on CPU, which scores only
         the completion positions on CUDA / XPU with Triton). The logits `prediction_step` returns are always the full
         ones.
+        `chunked_lm_head`: the policy's and reference's completion log-probs and TRL's token metrics from the last
+        hidden states, the LM head applied to a chunk of completion tokens at a time and recomputed in the backward,
+        never the logits (`hf_rlhf.models.lm_head`). None: for each model whose head splits off (checked once), else
+        `use_logits_to_keep`'s logits with a warning naming it; True: an error instead; False: the logits. The logits
+        anyway with FSDP / DeepSpeed ZeRO-3 and for `prediction_step`.
         On sdpa the padded layout's right-padded rows go without their attention mask (causal attention alone: no
         real token sees the padding after it, and sdpa takes its causal kernel) where a self-check on the model and
         the reference agrees (`packing_check.right_padding_needs_no_mask`), except with an MoE router loss, which
@@ -88,6 +93,10 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
     use_logits_to_keep: bool = field(
         default=True, metadata={"help": "Compute logits only at the positions predicting completion tokens (exact; "
                                         "False: at every position)."})
+    chunked_lm_head: bool | None = field(
+        default=None, metadata={"help": "Log-probs from the LM head in chunks of tokens, not the full logits. None: "
+                                        "where the model's head splits off; True: or an error; False: the full logits."}
+    )
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "Compute the reference log-probs once before training and store them."})
     precompute_ref_batch_size: int | None = field(

@@ -5,16 +5,16 @@ preference formats checked row by row before any model loads and tokenized as TR
 padded chosen‖rejected batches (`trl`'s own `DataCollatorForPreference`), or padding-free / prefix-shared ones
 (`collators.dpo`); and
 
-- `compute_loss`: one policy forward over the 2B sequences, summed completion log-probs (`preference_losses.
+- `compute_loss`: one policy forward over the 2B sequences, summed completion log-probs (`losses.dpo.
   completion_logps`; logits only at the positions predicting a completion token, `use_logits_to_keep`; on sdpa the
   padded rows without their right-padding mask, so that attention takes its causal kernel), the reference's (below),
-  then `preference_losses.combined_loss` (every TRL `loss_type`, `loss_weights`, WPO weights, f-divergences, LD-DPO;
+  then `losses.dpo.combined_loss` (every TRL `loss_type`, `loss_weights`, WPO weights, f-divergences, LD-DPO;
   SimPO and ORPO reference-free). Logs TRL 1.16's metrics:
   `rewards/{chosen,rejected,accuracies,margins}`, `logps/{chosen,rejected}`, `logits/{chosen,rejected}`, `entropy`,
   `mean_token_accuracy`, `num_tokens`.
 - The reference: a given `ref_model` (frozen); else, for a LoRA / QLoRA policy, the same model with its adapters off
-  (`hf_rlhf.models.adapters.adapter_scope`; no second model); else a frozen copy of the policy taken before training; none
-  for reference-free losses. `precompute_ref_log_probs`: computed once, stored as dataset columns and in
+  (`hf_rlhf.models.adapters.adapter_scope`; no second model); else a frozen copy of the policy taken before training;
+  none for reference-free losses. `precompute_ref_log_probs`: computed once, stored as dataset columns and in
   `output_dir/ref_logps/<split>-<fingerprint>.pt`, so a resumed run reads them back instead of recomputing them.
 """
 
@@ -41,11 +41,14 @@ from ..losses.dpo import (
     logits_to_keep_per_row,
     needs_reference,
     padded_gather_index,
+    scored_token_statistics,
     token_statistics,
     wpo_weights,
 )
 from ..models.adapters import adapter_scope
+from ..models.lm_head import LMHead, last_hidden_states, resolve_lm_head
 from ..models.loading import (
+    check_model_path,
     check_trainable,
     disable_dropout,
     logits_to_keep_unsupported,
@@ -66,7 +69,8 @@ def check_precompute_not_streamed(args, dataset) -> None:
     """TRL's check: reference log-probs are stored per row, which a stream (no random access) cannot hold."""
     if args.precompute_ref_log_probs and is_streamed(dataset):
         raise ValueError("`precompute_ref_log_probs=True` is not supported with IterableDataset (the reference "
-                         "log-probs are stored per row): use a map-style Dataset or set precompute_ref_log_probs=False.")
+                         "log-probs are stored per row): use a map-style Dataset or set "
+                         "precompute_ref_log_probs=False.")
 
 
 _NON_MODEL_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps", "row_index", "logit_index",
@@ -118,6 +122,8 @@ class DPOTrainer(BaseTrainer):
             check_precompute_not_streamed(args, dataset)
         init_kwargs = self.model_init_kwargs(model, args, quantization_config)
         checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_dpo_rows(d, args))
+        if isinstance(ref_model, str) and needs_reference(args.loss_type):  # one line now, not after the policy loads
+            check_model_path(ref_model, "reference model", revision=init_kwargs.get("revision"))
         model, model_config = resolve_model(model, model_config, AutoModelForCausalLM, **init_kwargs)
         processing_class = self.resolve_tokenizer(processing_class, model, args)
         ensure_pad_token(processing_class, args.pad_token)
@@ -192,6 +198,7 @@ class DPOTrainer(BaseTrainer):
                                                                  "reference") if uses_reference else False}
         self.uses_reference = uses_reference
         self._eager = attn == "eager"
+        self.lm_heads = self._resolve_lm_heads(args, model, ref_model)
         self.ref_model = None
         if ref_model is not None:
             if self.is_deepspeed_enabled:
@@ -277,9 +284,36 @@ class DPOTrainer(BaseTrainer):
             return inputs
         return padded_gather_index(inputs["input_ids"], inputs["completion_mask"])
 
-    def _forward(self, model, model_inputs: dict, inputs: dict, keep_logits: bool, gather: dict | None = None):
+    def _resolve_lm_heads(self, args, model, ref_model) -> dict:
+        """{"policy", "reference"}: the `LMHead` the log-probs run over in chunks of tokens (`chunked_lm_head`), or
+        None for the logits; the reference of a peft policy (adapters off) is the policy's head."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if self.is_fsdp_enabled or (plugin is not None and plugin.zero_stage == 3):
+            if args.chunked_lm_head:
+                raise ValueError("chunked_lm_head=True, but FSDP / DeepSpeed ZeRO-3 shard the LM head outside the "
+                                 "model's forward; leave it None or False.")
+            return {"policy": None, "reference": None}
+        policy = resolve_lm_head(model, args.chunked_lm_head, type(self).__name__)
+        reference = None
+        if self.uses_reference:
+            reference = policy if ref_model is None else resolve_lm_head(ref_model, args.chunked_lm_head,
+                                                                         type(self).__name__)
+        return {"policy": policy, "reference": reference}
+
+    def _forward(self, model, model_inputs: dict, inputs: dict, keep_logits: bool, gather: dict | None = None,
+                 head: LMHead | None = None, reference: bool = False):
         """(outputs, `_statistics`) of one forward; with `keep_logits`, logits only where a completion token is
-        predicted (`outputs.logits` is then (R, K, V), see `preference_losses.logits_to_keep_per_row`)."""
+        predicted (`outputs.logits` is then (R, K, V), see `losses.dpo.logits_to_keep_per_row`); with `head`, no
+        logits: the last hidden states at those positions, the head in chunks of them (`hf_rlhf.models.lm_head`)."""
+        if head is not None:
+            gather = gather or self._gather_index(inputs)
+            # the policy through its own forward (DDP, an MoE's aux_loss); the reference through its body alone
+            hidden, outputs = last_hidden_states(model, None if reference else False, **model_inputs)
+            mask = gather["gather_mask"].bool()
+            selected = hidden[gather["row_index"].unsqueeze(1), gather["logit_index"]][mask]  # (M, H)
+            scores = head.token_logprobs(selected, gather["target_ids"][mask], with_entropy=True, with_top1=True,
+                                         with_moments=True)
+            return outputs, scored_token_statistics(gather["gather_mask"], *scores, ld_alpha=self.args.ld_alpha)
         if not keep_logits:
             outputs = model(**model_inputs)
             return outputs, self._statistics(outputs.logits, inputs)
@@ -299,12 +333,12 @@ class DPOTrainer(BaseTrainer):
     @torch.no_grad()
     def _reference_logps(self, model_inputs: dict, inputs: dict, gather: dict | None = None):
         """(chosen (B,), rejected (B,)) summed completion log-probs under the reference."""
-        keep = self._keeps_logits["reference"]
+        keep, head = self._keeps_logits["reference"], self.lm_heads["reference"]
         if self.ref_model is not None:
-            _, stats = self._forward(self.ref_model, model_inputs, inputs, keep, gather)
+            _, stats = self._forward(self.ref_model, model_inputs, inputs, keep, gather, head, reference=True)
         else:  # a peft policy: the base with every adapter off
             with adapter_scope(self.accelerator.unwrap_model(self.model), None):
-                _, stats = self._forward(self.model, model_inputs, inputs, keep, gather)
+                _, stats = self._forward(self.model, model_inputs, inputs, keep, gather, head, reference=True)
         return stats["logps"].chunk(2)
 
     def _with_ref_logps(self, dataset, name: str, batch_size: int):
@@ -345,8 +379,9 @@ class DPOTrainer(BaseTrainer):
         model_inputs = self._model_inputs(inputs, full_logits=return_outputs)
         # the full logits when the caller reads them (prediction_step), else only those the loss needs
         keep = self._keeps_logits["policy"] and not return_outputs
-        gather = self._gather_index(inputs) if keep or self._keeps_logits["reference"] else None
-        outputs, stats = self._forward(model, model_inputs, inputs, keep, gather)
+        head = None if return_outputs else self.lm_heads["policy"]
+        gather = self._gather_index(inputs) if keep or head or self._keeps_logits["reference"] else None
+        outputs, stats = self._forward(model, model_inputs, inputs, keep, gather, head)
         chosen, rejected = stats["logps"].chunk(2)
         chosen_len, rejected_len = stats["lengths"].chunk(2)
         ref_chosen = ref_rejected = None
@@ -379,7 +414,8 @@ class DPOTrainer(BaseTrainer):
         n_pairs = chosen.shape[0]
         metrics.add("entropy", (stats["entropy"] * mask).sum(), mask.sum())
         if mode == "train":
-            tokens = inputs["sequence_lengths"].sum() if "sequence_lengths" in inputs else inputs["attention_mask"].sum()
+            lengths = inputs["sequence_lengths"] if "sequence_lengths" in inputs else inputs["attention_mask"]
+            tokens = lengths.sum()
             metrics.add("num_tokens", tokens, 0)  # each sequence's real tokens, as in TRL's padded layout
         chosen_mean_logits, rejected_mean_logits = stats["mean_logits"].chunk(2)
         metrics.add("logits/chosen", (chosen_mean_logits * chosen_mask).sum(), chosen_mask.sum())

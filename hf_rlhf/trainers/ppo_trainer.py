@@ -37,13 +37,14 @@ from ..data.options import DataOptions
 from ..generation import build_engine
 from ..losses.ppo import importance_log_weights, policy_loss_per_token, value_loss
 from ..models.adapters import unwrap_peft
-from ..models.loading import disable_dropout, load_model, resolve_model
+from ..models.lm_head import resolve_lm_head
+from ..models.loading import check_model_path, disable_dropout, hub_errors, load_model, resolve_model
 from ..models.packing_check import PackingCheckError, check_packing_exact
-from ..models.policy_value import PolicyAndValue, response_logits
+from ..models.policy_value import PolicyAndValue, response_scores
 from ..models.value_adapter import add_value_adapter, resolve_value_adapter
 from ..models.value_head import reward_config_of
 from ..rewards.base import FunctionReward
-from ..rewards.factory import build_reward_source
+from ..rewards.factory import build_reward_source, check_reward_model_path
 from ..rewards.model import ModelReward
 from ..rl.critic_free import aggregate_loss
 from ..rl.kl import kl_penalty, sequence_policy_stats
@@ -51,7 +52,7 @@ from ..rollout.experience import Experience
 from ..rollout.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator, validate_prompt_dataset
 from ..rollout.multiturn import ToolRollout
 from ..rollout.rollout_maker import KL_METRICS, RolloutMaker, stop_token_id_of
-from ..tensors import entropy_from_logits, logprobs_from_logits, masked_sum
+from ..tensors import masked_sum
 from ..tools import ToolRunner, check_tool_tokenizer, tool_dict
 from ..tools.environments import EnvironmentPool
 from ..training.state_callbacks import EpochFromStepCallback, KLControllerCallback, RewardStatsCallback, find_callback
@@ -197,6 +198,13 @@ class PPOTrainer(BaseTrainer):
                                  "chat template renders the tools, the tool calls and their results")
             if processing_class is not None and not isinstance(processing_class, str):
                 check_tool_tokenizer(processing_class)
+        # every model given by path can be loaded (a local directory, the local hub cache, the Hub): a reward model
+        # that cannot fails now, in one line, not after the policy and the reference are loaded
+        check_reward_model_path(reward_model)
+        for what, path in (("reference model", ref_model if args.uses_reference else None),
+                           ("value model", None if args.critic_free else value_model)):
+            if isinstance(path, str) and resolve_value_adapter(path) is None:
+                check_model_path(path, what)
         set_seed(args.seed)  # as the Trainer does, but before the value head (and a value adapter) are initialised
         policy, model_config = resolve_model(model, model_config)
         processing_class = self.resolve_tokenizer(processing_class, policy)
@@ -244,11 +252,25 @@ class PPOTrainer(BaseTrainer):
             runner = ToolRunner(args.tool_max_workers, args.tool_call_timeout)
             tool_rollout = ToolRollout(processing_class, stop_token_id_of(args, processing_class), args.response_length,
                                        args.max_tool_calling_iterations, runner)
-        self.rollout_maker = RolloutMaker(args, processing_class, self.compute_rewards, self.accelerator, self.ref_model,
-                                          reward_stats, tool_rollout, self._row_tools,
+        self.lm_heads = self._resolve_lm_heads(args, module, ref_model)
+        self.rollout_maker = RolloutMaker(args, processing_class, self.compute_rewards, self.accelerator,
+                                          self.ref_model, reward_stats, tool_rollout, self._row_tools,
                                           None if rollout_func is None else lambda prompts: rollout_func(prompts, self),
-                                          self.share_prompts, capture_decoding)
+                                          self.share_prompts, capture_decoding, self.lm_heads)
         self._loader, self._resume_from = None, None
+
+    def _resolve_lm_heads(self, args, module, ref_model) -> tuple:
+        """(policy's, reference's) `LMHead` for the log-probs in chunks of tokens (`PPOConfig.chunked_lm_head`), each
+        None for the full logits; the reference of a LoRA policy (adapters off) is the policy's head."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if self.is_fsdp_enabled or (plugin is not None and plugin.zero_stage == 3):
+            if args.chunked_lm_head:
+                raise ValueError("chunked_lm_head=True, but FSDP / DeepSpeed ZeRO-3 shard the LM head outside the "
+                                 "model's forward; leave it None or False.")
+            return None, None
+        name = type(self).__name__
+        policy = resolve_lm_head(module.policy, args.chunked_lm_head, name)
+        return policy, policy if ref_model is None else resolve_lm_head(ref_model, args.chunked_lm_head, name)
 
     @staticmethod
     def _build_models(policy, value_model, ref_model, args):
@@ -273,7 +295,8 @@ class PPOTrainer(BaseTrainer):
         if value_adapter is not None:
             value_model, value_adapter = None, add_value_adapter(policy, value_adapter, args.activation_checkpointing)
         elif isinstance(value_model, str):
-            value_model = AutoModelForSequenceClassification.from_pretrained(value_model, num_labels=1)
+            with hub_errors(value_model, "value model"):
+                value_model = AutoModelForSequenceClassification.from_pretrained(value_model, num_labels=1)
         if args.disable_dropout:  # old log-probs come from eval mode: the first ratio must be exactly 1
             for part in (policy, value_model):
                 if part is not None:
@@ -459,10 +482,10 @@ class PPOTrainer(BaseTrainer):
             normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=mask.device).clamp(min=1.0)
         extra = (inputs["ptx_input_ids"], inputs["ptx_attention_mask"]) if "ptx_input_ids" in inputs else None
         # attention over every token the policy saw (a multi-turn response's tool results too); the loss over `mask`
-        logits, values, ptx_logits = response_logits(model, exp.query_ids, exp.query_mask, exp.response_ids,
-                                                     exp.context_mask, args.temperature, extra_rows=extra,
-                                                     share_prompts=self.share_prompts)
-        logprobs = logprobs_from_logits(logits, exp.response_ids)
+        # (the LM head in chunks of those tokens where it splits off: `PPOConfig.chunked_lm_head`)
+        logprobs, token_entropy, values, ptx_logits = response_scores(
+            model, self.lm_heads[0], exp.query_ids, exp.query_mask, exp.response_ids, exp.context_mask,
+            args.temperature, self.share_prompts, entropy_grad=args.entropy_coef > 0, extra_rows=extra)
         # one optimizer step per rollout: this forward runs the rollout's weights, so its detached log-probs are
         # the old ones (the rollout skipped its own policy forward; `PPOConfig.old_logprobs_in_loss`)
         old_logprobs = logprobs.detach() if args.old_logprobs_in_loss else exp.old_logprobs
@@ -484,8 +507,7 @@ class PPOTrainer(BaseTrainer):
             vf_loss, vf_stats = value_loss(values, exp.old_values, exp.returns, mask, args.cliprange_value, normalizer)
             loss = loss + args.vf_coef * vf_loss
             sums["loss/value_avg"], means["val/clipfrac_avg"] = vf_loss * normalizer, vf_stats["clipfrac"]
-        with torch.set_grad_enabled(args.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = masked_sum(entropy_from_logits(logits), mask) / normalizer
+        entropy = masked_sum(token_entropy, mask) / normalizer
         loss = loss - args.entropy_coef * entropy
         sums["policy/entropy_avg"] = entropy * normalizer
 
@@ -510,7 +532,7 @@ class PPOTrainer(BaseTrainer):
             ptx_loss = F.cross_entropy(ptx_logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
             loss = loss + args.ptx_coef * ptx_loss / self.current_gradient_accumulation_steps
             metrics.add("loss/ptx_avg", ptx_loss)
-        return (loss, {"logits": logits, "values": values}) if return_outputs else loss
+        return (loss, {"logprobs": logprobs, "values": values}) if return_outputs else loss
 
     def log_policy_terms(self, metrics, logprobs, old_logprobs, advantages, mask) -> None:
         """Hook for more per-micro-batch policy metrics (`GRPOTrainer`: TRL's clip ratios); all (B, T), detached."""

@@ -52,6 +52,12 @@ class SFTConfig(SFTDataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDef
             NLL weighted by its detached probability). TRL's deprecated `chunked_nll` is `nll`.
         router_aux_loss_coef: weight of a Mixture-of-Experts model's load-balancing loss (None: the model config's
             own; 0.0 turns it off); an error for a model that is not MoE.
+        chunked_lm_head: compute the loss and the `entropy` / `mean_token_accuracy` metrics from the last hidden
+            states, the LM head applied to a chunk of the loss tokens at a time and recomputed in the backward, never
+            the (B, T, V) logits (`hf_rlhf.models.lm_head`; TRL 1.16 always does so). None: where the model's head
+            splits off (checked once), else the full logits with a warning naming the model; True: an error instead;
+            False: the full logits. The full logits are used anyway with a `compute_loss_func`, label smoothing,
+            FSDP / DeepSpeed ZeRO-3 (which shard the head) and an eval with `compute_metrics`.
     Model (`TrainerModelOptions`): model_init_kwargs, trust_remote_code, activation_offloading.
     """
 
@@ -84,6 +90,10 @@ class SFTConfig(SFTDataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDef
     )
     router_aux_loss_coef: float | None = field(
         default=None, metadata={"help": "MoE load-balancing loss weight. None: the model config's; 0.0: off."}
+    )
+    chunked_lm_head: bool | None = field(
+        default=None, metadata={"help": "Loss from the LM head in chunks of tokens, not the full logits. None: where "
+                                        "the model's head splits off; True: or an error; False: the full logits."}
     )
 
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs", "dataset_kwargs"]

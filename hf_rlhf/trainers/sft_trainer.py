@@ -4,8 +4,10 @@ What it adds to `Trainer`: model setup (a hub id / path, a ready model, LoRA or 
 bitsandbytes, or a ready `PeftModel`), dataset validation and tokenization (`hf_rlhf.data`), the right
 collator (padded, packed rows, or padding-free), `use_cache=False` for packed batches, and TRL 1.16's logged
 metrics, in train and eval logs: `entropy` (mean entropy of the predicted next-token distribution over the loss
-tokens), `mean_token_accuracy` and `num_tokens` (real, non-pad input tokens trained on so far). Everything
-else — optimizers, schedulers, accumulation, checkpoints, DeepSpeed — is the Trainer's own.
+tokens), `mean_token_accuracy` and `num_tokens` (real, non-pad input tokens trained on so far). The loss and those
+metrics come from the last hidden states, the LM head applied to a chunk of the loss tokens at a time, never the
+(B, T, V) logits (`SFTConfig.chunked_lm_head`, `hf_rlhf.models.lm_head`; TRL 1.16's fused LM head does the same).
+Everything else — optimizers, schedulers, accumulation, checkpoints, DeepSpeed — is the Trainer's own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import fields
 
 import torch
 from transformers import TrainingArguments
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..collators import PackingCollator, PaddingCollator
 from ..data import (
@@ -30,6 +33,8 @@ from ..data.options import SFTDataOptions
 from ..data.sft import build_labels
 from ..data.streaming import check_streamed_training, first_rows, is_streamed, stream_columns
 from ..losses.sft import dft_compute_loss_func
+from ..models.adapters import unwrap_peft
+from ..models.lm_head import last_hidden_states, resolve_lm_head
 from ..models.loading import check_trainable, resolve_model, set_router_aux_loss
 from ..models.packing_check import check_packing_exact
 from .base_trainer import BaseTrainer
@@ -203,6 +208,7 @@ class SFTTrainer(BaseTrainer):
                          compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
                          optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        self.lm_head = self._resolve_lm_head(args)
 
     def prepare_eval_dataset(self, dataset, name: str):
         """A dataset passed to `evaluate`: raw rows formatted, checked and tokenized like the eval sets of
@@ -288,23 +294,74 @@ class SFTTrainer(BaseTrainer):
                                assistant_only_loss=args.assistant_only_loss,
                                pad_to_multiple_of=args.pad_to_multiple_of)
 
+    def _resolve_lm_head(self, args):
+        """The LM head the loss runs over in chunks of tokens (`SFTConfig.chunked_lm_head`), or None: full logits."""
+        parallel = getattr(self.accelerator, "parallelism_config", None)
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        why = None
+        if self.compute_loss_func not in (None, dft_compute_loss_func):
+            why = "a compute_loss_func reads the logits"
+        elif args.label_smoothing_factor:
+            why = "label smoothing reads the logits"
+        elif self.is_fsdp_enabled or (plugin is not None and plugin.zero_stage == 3):
+            why = "FSDP / DeepSpeed ZeRO-3 shard the LM head outside the model's forward"
+        elif parallel is not None and (parallel.sp_enabled or parallel.cp_enabled):
+            why = "sequence / context parallelism shard the sequence"
+        if why is None:
+            return resolve_lm_head(self.model, args.chunked_lm_head, type(self).__name__)
+        if args.chunked_lm_head:
+            raise ValueError(f"chunked_lm_head=True, but {why}; leave chunked_lm_head None or False.")
+        return None
+
     # -- loss and metrics ----------------------------------------------------------------------
+    def _chunked_loss(self, model, inputs, num_items_in_batch, mode):
+        """(loss, outputs) as `Trainer.compute_loss` gives them with labels (nll: transformers' `ForCausalLMLoss`,
+        dft: `dft_loss`), and TRL's `entropy` / `mean_token_accuracy`, from the last hidden states of the loss
+        tokens only, the LM head applied in chunks (`hf_rlhf.models.lm_head`)."""
+        labels = inputs["labels"]
+        # the model's own forward, eval included: an MoE's aux_loss is part of the loss
+        hidden, outputs = last_hidden_states(model, False, **{k: v for k, v in inputs.items() if k != "labels"})
+        target = labels[:, 1:]
+        mask = target != -100
+        hidden = hidden[:, -labels.shape[1]:-1][mask]  # (N, H): the positions that predict a label
+        logprobs, entropy, top1, *_ = self.lm_head.token_logprobs(hidden, target[mask], with_entropy=True,
+                                                                  with_top1=True)
+        tokens = mask.sum()
+        if self.compute_loss_func is dft_compute_loss_func:  # called without labels: no MoE aux loss (as the Trainer)
+            count = tokens if num_items_in_batch is None else num_items_in_batch
+            loss = -(logprobs * logprobs.detach().exp()).sum() / torch.as_tensor(count, device=tokens.device).clamp(
+                min=1)
+        else:  # ForCausalLMLoss: the sum over num_items_in_batch when the model takes it, else the mean
+            items = num_items_in_batch if self.model_accepts_loss_kwargs else None
+            loss = -logprobs.sum() / (tokens if items is None else torch.as_tensor(items, device=tokens.device))
+            aux = getattr(outputs, "aux_loss", None)
+            if aux is not None:  # the MoE model adds its weighted load-balancing loss when given labels
+                base = unwrap_peft(self.model)
+                coef = getattr(base, "router_aux_loss_coef", None)
+                coef = base.config.get_text_config().router_aux_loss_coef if coef is None else coef
+                loss = loss + coef * aux.to(loss.device)
+        if (self.args.average_tokens_across_devices and num_items_in_batch is not None
+                and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)):
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1
+                           else self.args.n_gpu)  # as `Trainer.compute_loss`
+        metrics = self.metrics[mode]
+        metrics.add("entropy", entropy.detach().sum(), tokens)
+        metrics.add("mean_token_accuracy", top1.sum(), tokens)
+        return loss, CausalLMOutputWithPast(loss=loss), getattr(outputs, "aux_loss", None)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if is_packed_batch(inputs):
             inputs = {**inputs, "use_cache": False}
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
-                                             num_items_in_batch=num_items_in_batch)
         mode = "train" if model.training else "eval"
-        if "labels" in inputs and getattr(outputs, "logits", None) is not None:
-            with torch.no_grad():
-                correct, total = token_accuracy_counts(outputs.logits, inputs["labels"])
-                entropy = token_entropy_sum(outputs.logits, inputs["labels"])
-            metrics = self.metrics[mode]
-            metrics.add("entropy", entropy, total)
-            metrics.add("mean_token_accuracy", correct, total)
-        if self.aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
+        # an eval with compute_metrics needs the logits themselves
+        if self.lm_head is not None and "labels" in inputs and not (return_outputs and self.compute_metrics):
+            loss, outputs, aux_loss = self._chunked_loss(model, inputs, num_items_in_batch, mode)
+        else:
+            loss, outputs = self._logits_loss(model, inputs, num_items_in_batch, mode)
+            aux_loss = getattr(outputs, "aux_loss", None)
+        if self.aux_loss_enabled and aux_loss is not None:
             # TRL's `aux_loss`: the MoE load-balancing loss (unweighted), a mean over the steps of the log
-            self.metrics[mode].add("aux_loss", outputs.aux_loss.detach().float(), 1)
+            self.metrics[mode].add("aux_loss", aux_loss.detach().float(), 1)
         if mode == "train":
             if is_packed_batch(inputs) and "labels" in inputs:
                 real = packed_real_token_count(inputs["input_ids"], inputs["position_ids"], inputs["labels"],
@@ -313,3 +370,17 @@ class SFTTrainer(BaseTrainer):
                 real = real_token_count(inputs)
             self.metrics[mode].add("num_tokens", real, 0)
         return (loss, outputs) if return_outputs else loss
+
+    def _logits_loss(self, model, inputs, num_items_in_batch, mode):
+        """(loss, outputs) of `Trainer.compute_loss` (the full logits), and TRL's metrics from the logits."""
+        # a copy: with a compute_loss_func (dft) the Trainer pops the labels, which the metrics read after
+        loss, outputs = super().compute_loss(model, dict(inputs), return_outputs=True,
+                                             num_items_in_batch=num_items_in_batch)
+        if "labels" in inputs and getattr(outputs, "logits", None) is not None:
+            with torch.no_grad():
+                correct, total = token_accuracy_counts(outputs.logits, inputs["labels"])
+                entropy = token_entropy_sum(outputs.logits, inputs["labels"])
+            metrics = self.metrics[mode]
+            metrics.add("entropy", entropy, total)
+            metrics.add("mean_token_accuracy", correct, total)
+        return loss, outputs

@@ -31,6 +31,9 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+# the chunked LM-head loss: logits of at most CHUNK_ELEMENTS elements per chunk, on every device
+from ..losses.chunked_head import CHUNK_ELEMENTS
+
 GIB = 2**30
 MIB = 2**20
 
@@ -45,11 +48,6 @@ ACTIVATION_FLOATS = {"hidden": 8, "intermediate": 4}
 # grpo, ppo: the textbook 3 (not measured here: hf_rlhf chunks their LM head by default)
 LOGITS_COPIES = {"sft": 3.0, "dpo": 7.3, "grpo": 3.0, "ppo": 3.0, "reward": 0.0}
 RUNTIME_OVERHEAD = {"cpu": 60 * MIB}
-# the chunked LM-head loss (`hf_rlhf.losses.chunked_head`): logits of at most this many elements per chunk
-try:
-    from ..losses.chunked_head import ACCELERATOR_CHUNK_ELEMENTS, CHUNK_ELEMENTS
-except ImportError:  # a tree without it
-    CHUNK_ELEMENTS, ACCELERATOR_CHUNK_ELEMENTS = 1 << 25, 1 << 27
 # copies of one chunk's (chunk, V) fp32 logits alive at once in its backward: 4.3 and 4.7 measured (hf_rlhf GRPO,
 # SmolLM2-135M shape, 1,024 and 2,048 completion tokens, CPU)
 CHUNK_COPIES = 4.5
@@ -236,8 +234,7 @@ def plan_memory(shape: ModelShape, options: PlanOptions) -> Plan:
     copies = LOGITS_COPIES[o.command] if o.logits_copies is None else o.logits_copies
     rows = positions
     if o.chunked_head or o.logits_chunk:
-        elements = ACCELERATOR_CHUNK_ELEMENTS if o.device not in ("cpu", None) else CHUNK_ELEMENTS
-        rows = min(positions, o.logits_chunk or max(1, elements // shape.vocab_size))
+        rows = min(positions, o.logits_chunk or max(1, CHUNK_ELEMENTS // shape.vocab_size))
         copies = CHUNK_COPIES if o.logits_copies is None else o.logits_copies
     reference = o.reference
     if reference is None:

@@ -72,18 +72,18 @@ def test_lean_backend_logs_what_generate_logs(tmp_path, tokenizer, prompts, esti
 
 # -- logprobs_from_generation: the old log-probs and the value head's values read off the decoding -------------------
 def _rollout_forwards(monkeypatch):
-    """Counts the rollout's policy forwards (`response_logits` on the trained `PolicyAndValue`, not the reference)."""
+    """Counts the rollout's policy forwards (`response_scores` on the trained `PolicyAndValue`, not the reference)."""
     import hf_rlhf.rollout.rollout_maker as rollout
     from hf_rlhf.models.policy_value import PolicyAndValue
 
-    calls, original = [], rollout.response_logits
+    calls, original = [], rollout.response_scores
 
     def counted(model, *args, **kwargs):
         if isinstance(model, PolicyAndValue):
             calls.append(1)
         return original(model, *args, **kwargs)
 
-    monkeypatch.setattr(rollout, "response_logits", counted)
+    monkeypatch.setattr(rollout, "response_scores", counted)
     return calls
 
 

@@ -25,8 +25,10 @@ def make_trainer(tmp_path, model, layout, check=True):
     # an MoE's router load-balancing loss is a statistic of the whole batch, not of each token: the comparison is
     # of the language-modelling loss, so it is switched off (router_aux_loss_coef=0) where the model has one
     moe = {"router_aux_loss_coef": 0.0} if hasattr(model.config, "router_aux_loss_coef") else {}
+    # the full logits (chunked_lm_head=False): the test compares them; tests/zoo/test_lm_head.py the chunked loss
     args = SFTConfig(output_dir=str(tmp_path / "out"), report_to="none", max_length=24, per_device_train_batch_size=4,
-                     save_strategy="no", disable_tqdm=True, packing_check=check, **{layout: True}, **moe)
+                     save_strategy="no", disable_tqdm=True, packing_check=check, chunked_lm_head=False,
+                     **{layout: True}, **moe)
     return SFTTrainer(model, args=args, train_dataset=Dataset.from_list(examples()), processing_class=TOKENIZER)
 
 

@@ -8,6 +8,7 @@ from zoo_models import MODEL_TYPES, PAD_ID, TOKENIZER, build, random_sequences
 
 from hf_rlhf.collators import LeftPaddingCollator
 from hf_rlhf.models.policy_value import PolicyAndValue, response_logits
+from hf_rlhf.models.value_head import backbone_of
 from hf_rlhf.tensors import logprobs_from_logits
 from hf_rlhf.toy import prompt_dataset
 from hf_rlhf.trainers.ppo_config import PPOConfig
@@ -89,7 +90,9 @@ def test_old_logprobs_from_the_loss_equal_the_rollout_forward(tmp_path, model_ty
         trainer = PPOTrainer(build(model_type), lambda prompts, completions, **kw: [len(c) % 3 for c in completions],
                              args=args, train_dataset=prompt_dataset(16, seed=0), processing_class=TOKENIZER)
         calls = []
-        trainer.model.policy.register_forward_pre_hook(lambda module, args: calls.append(torch.is_grad_enabled()))
+        # on the transformer body, which every policy forward runs (a no-grad rollout forward runs it alone)
+        backbone_of(trainer.model.policy).register_forward_pre_hook(
+            lambda module, args: calls.append(torch.is_grad_enabled()))
         trainer.train()
         monkeypatch.undo()
         logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -125,8 +128,8 @@ def test_beta_zero_builds_and_runs_no_reference(tmp_path, model_type, lora):
                              args=args, train_dataset=prompt_dataset(16, seed=0), processing_class=TOKENIZER,
                              peft_config=peft_config)
         reference_calls = []
-        original = trainer.rollout_maker._reference_logits
-        trainer.rollout_maker._reference_logits = lambda *a: reference_calls.append(1) or original(*a)
+        original = trainer.rollout_maker._reference_logprobs
+        trainer.rollout_maker._reference_logprobs = lambda *a: reference_calls.append(1) or original(*a)
         before = {n: p.detach().clone() for n, p in trainer.model.policy.named_parameters() if p.requires_grad}
         trainer.train()
         changed = any(not torch.equal(p, before[n]) for n, p in trainer.model.policy.named_parameters()
