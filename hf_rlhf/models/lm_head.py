@@ -186,15 +186,32 @@ def split_lm_head(model: nn.Module) -> LMHead:
     return cached
 
 
+# `chunked_lm_head=None` chunks only above this vocabulary: below it the logits of thousands of tokens fit in one
+# chunk (2^25 / 4,096 = 8,192 tokens), so chunking saves nothing, and the full-logits path keeps its floats (the toy
+# world's vocabulary is 107)
+AUTO_MIN_VOCAB = 4096
+
+
+def vocab_size_of(model: nn.Module) -> int | None:
+    """Rows of the model's output head (None where it has none)."""
+    base = unwrap_peft(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return None if weight is None else int(weight.shape[0])
+
+
 def resolve_lm_head(model: nn.Module, mode: bool | None, trainer: str) -> LMHead | None:
     """The head to chunk over, or None for the full-logits path, as the trainer's `chunked_lm_head` says.
 
     Args:
-        mode: True: chunked, or `HeadSplitError`; None: chunked where the model splits, else the full logits (logged,
-            naming the model); False: the full logits.
+        mode: True: chunked, or `HeadSplitError`; None: chunked where the vocabulary is over `AUTO_MIN_VOCAB` and the
+            model splits, else the full logits (a model that does not split is logged, by name); False: the full
+            logits.
         trainer: the trainer's name, for the log.
     """
     if mode is False:
+        return None
+    if mode is None and (vocab_size_of(model) or 0) <= AUTO_MIN_VOCAB:
         return None
     try:
         return split_lm_head(model)

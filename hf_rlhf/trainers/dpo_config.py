@@ -49,8 +49,9 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         ones.
         `chunked_lm_head`: the policy's and reference's completion log-probs and TRL's token metrics from the last
         hidden states, the LM head applied to a chunk of completion tokens at a time and recomputed in the backward,
-        never the logits (`hf_rlhf.models.lm_head`). None: for each model whose head splits off (checked once), else
-        `use_logits_to_keep`'s logits with a warning naming it; True: an error instead; False: the logits. The logits
+        never the logits (`hf_rlhf.models.lm_head`). None: for each model with a vocabulary over 4,096 whose head
+        splits off (checked once), else `use_logits_to_keep`'s logits (with a warning naming a model that does not
+        split); True: an error instead; False: the logits. The logits
         anyway with FSDP / DeepSpeed ZeRO-3 and for `prediction_step`.
         On sdpa the padded layout's right-padded rows go without their attention mask (causal attention alone: no
         real token sees the padding after it, and sdpa takes its causal kernel) where a self-check on the model and
@@ -95,7 +96,8 @@ class DPOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
                                         "False: at every position)."})
     chunked_lm_head: bool | None = field(
         default=None, metadata={"help": "Log-probs from the LM head in chunks of tokens, not the full logits. None: "
-                                        "where the model's head splits off; True: or an error; False: the full logits."}
+                                        "where the vocabulary is over 4,096 and the head splits off; True: or an "
+                                        "error; False: the full logits."}
     )
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "Compute the reference log-probs once before training and store them."})

@@ -97,8 +97,9 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         chunked_lm_head: the log-probs and entropy of the response tokens (the loss's, the rollout's old and the
             reference's) from the last hidden states, the LM head applied to a chunk of response tokens at a time and
             recomputed in the backward, never the (B, R, V) logits (`hf_rlhf.models.lm_head`). None: for each model
-            whose head splits off (checked once), else its full logits with a warning naming it; True: an error
-            instead; False: the full logits. The full logits anyway with FSDP / DeepSpeed ZeRO-3 and a ptx batch.
+            with a vocabulary over 4,096 whose head splits off (checked once), else its full logits (with a warning
+            naming a model that does not split); True: an error instead; False: the full logits. The full logits
+            anyway with FSDP / DeepSpeed ZeRO-3 and a ptx batch.
         logprobs_from_generation: the rollout's old log-probs, and a value head's values, are read off the decoding
             forwards (`hf_rlhf.generation.DecodeCapture`: each step's logits at `temperature`, the LM head's input for
             the value head), so the rollout runs no policy forward (TRL 1.12's PPO reads its old log-probs off
@@ -223,7 +224,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
     )
     chunked_lm_head: bool | None = field(
         default=None, metadata={"help": "Log-probs from the LM head in chunks of tokens, not the full logits. None: "
-                                        "where the model's head splits off; True: or an error; False: the full logits."}
+                                        "where the vocabulary is over 4,096 and the head splits off; True: or an "
+                                        "error; False: the full logits."}
     )
     logprobs_from_generation: bool | None = field(
         default=None, metadata={"help": "Read the old log-probs (and a value head's values) off the decoding instead "

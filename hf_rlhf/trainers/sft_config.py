@@ -54,10 +54,11 @@ class SFTConfig(SFTDataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDef
             own; 0.0 turns it off); an error for a model that is not MoE.
         chunked_lm_head: compute the loss and the `entropy` / `mean_token_accuracy` metrics from the last hidden
             states, the LM head applied to a chunk of the loss tokens at a time and recomputed in the backward, never
-            the (B, T, V) logits (`hf_rlhf.models.lm_head`; TRL 1.16 always does so). None: where the model's head
-            splits off (checked once), else the full logits with a warning naming the model; True: an error instead;
-            False: the full logits. The full logits are used anyway with a `compute_loss_func`, label smoothing,
-            FSDP / DeepSpeed ZeRO-3 (which shard the head) and an eval with `compute_metrics`.
+            the (B, T, V) logits (`hf_rlhf.models.lm_head`; TRL 1.16 always does so). None: where the vocabulary
+            is over 4,096 and the model's head splits off (checked once), else the full logits (with a warning naming
+            a model that does not split); True: an error instead; False: the full logits. The full logits are used
+            anyway with a `compute_loss_func`, label smoothing, FSDP / DeepSpeed ZeRO-3 (which shard the head) and
+            an eval with `compute_metrics`.
     Model (`TrainerModelOptions`): model_init_kwargs, trust_remote_code, activation_offloading.
     """
 

@@ -13,6 +13,7 @@ from torch.testing import assert_close
 from zoo_models import MODEL_TYPES, PAD_ID, TOKENIZER, build, build_config, random_sequences
 
 from hf_rlhf import SFTConfig, SFTTrainer
+from hf_rlhf.models import lm_head
 from hf_rlhf.models.lm_head import HeadSplitError, split_lm_head
 
 SHAPES = [(9, 3), (5, 2), (12, 4), (7, 0)]  # (length, prompt length)
@@ -124,7 +125,15 @@ def test_scaled_logits_cohere_and_granite(tmp_path):
     assert_same_step(tmp_path, granite)
 
 
-def test_a_head_that_does_not_split_is_refused_by_name(tmp_path, record_property, caplog):
+def test_auto_keeps_the_full_logits_at_a_small_vocabulary(tmp_path):
+    """`chunked_lm_head=None` chunks only above `AUTO_MIN_VOCAB`: below it one chunk holds a batch's logits anyway."""
+    model = build("llama")
+    assert model.get_output_embeddings().weight.shape[0] <= lm_head.AUTO_MIN_VOCAB
+    assert trainer_for(tmp_path, model, None).lm_head is None
+    assert trainer_for(tmp_path, model, True).lm_head is not None
+
+
+def test_a_head_that_does_not_split_is_refused_by_name(tmp_path, record_property, caplog, monkeypatch):
     """A model that transforms its logits in a way no config names: True refuses it naming its class, None trains it
     on the full logits with a warning naming it, and the split head is never used."""
     from transformers import LlamaForCausalLM
@@ -135,6 +144,7 @@ def test_a_head_that_does_not_split_is_refused_by_name(tmp_path, record_property
             out.logits = out.logits * 2
             return out
 
+    monkeypatch.setattr(lm_head, "AUTO_MIN_VOCAB", 0)  # the zoo's vocabulary is small: `None` would not chunk at all
     torch.manual_seed(0)
     model = DoubledLogitsLlama(build_config("llama"))
     with pytest.raises(HeadSplitError, match="DoubledLogitsLlama: its logits are not its LM head") as err:
@@ -146,9 +156,10 @@ def test_a_head_that_does_not_split_is_refused_by_name(tmp_path, record_property
     assert torch.isfinite(step(trainer)[0])
 
 
-def test_prompt_learning_uses_the_full_logits(tmp_path, caplog):
+def test_prompt_learning_uses_the_full_logits(tmp_path, caplog, monkeypatch):
     from peft import PromptTuningConfig, get_peft_model
 
+    monkeypatch.setattr(lm_head, "AUTO_MIN_VOCAB", 0)
     model = get_peft_model(build("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
     with caplog.at_level(logging.WARNING, logger="hf_rlhf"):
         trainer = trainer_for(tmp_path, model, None)
