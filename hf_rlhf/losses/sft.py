@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 
+def dft_token_losses(logprobs: torch.Tensor) -> torch.Tensor:
+    """DFT's per-token loss, -log p(y_t) * sg(p(y_t)) (Wu et al. 2025), of any shape of label log-probs."""
+    return -logprobs * logprobs.detach().exp()
+
+
 def dft_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
     """Dynamic Fine-Tuning loss: each token's negative log-likelihood weighted by its detached probability.
 
@@ -24,7 +29,7 @@ def dft_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None
     target = labels[:, 1:]
     mask = target != -100
     logprobs = torch.gather(logits.log_softmax(-1), -1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    per_token = -logprobs * logprobs.detach().exp() * mask
+    per_token = dft_token_losses(logprobs) * mask
     count = mask.sum() if num_items_in_batch is None else num_items_in_batch
     return per_token.sum() / torch.as_tensor(count, device=per_token.device).clamp(min=1)
 

@@ -32,7 +32,7 @@ from ..data.chatml import to_chatml
 from ..data.options import SFTDataOptions
 from ..data.sft import build_labels
 from ..data.streaming import check_streamed_training, first_rows, is_streamed, stream_columns
-from ..losses.sft import dft_compute_loss_func
+from ..losses.sft import dft_compute_loss_func, dft_token_losses
 from ..models.adapters import unwrap_peft
 from ..models.lm_head import last_hidden_states, resolve_lm_head
 from ..models.loading import check_trainable, resolve_model, set_router_aux_loss
@@ -329,8 +329,7 @@ class SFTTrainer(BaseTrainer):
         tokens = mask.sum()
         if self.compute_loss_func is dft_compute_loss_func:  # called without labels: no MoE aux loss (as the Trainer)
             count = tokens if num_items_in_batch is None else num_items_in_batch
-            loss = -(logprobs * logprobs.detach().exp()).sum() / torch.as_tensor(count, device=tokens.device).clamp(
-                min=1)
+            loss = dft_token_losses(logprobs).sum() / torch.as_tensor(count, device=tokens.device).clamp(min=1)
         else:  # ForCausalLMLoss: the sum over num_items_in_batch when the model takes it, else the mean
             items = num_items_in_batch if self.model_accepts_loss_kwargs else None
             loss = -logprobs.sum() / (tokens if items is None else torch.as_tensor(items, device=tokens.device))
