@@ -64,7 +64,8 @@ def _device_of(module: nn.Module) -> torch.device:
 
 
 def _logit_transform(config) -> tuple[float, float | None]:
-    """(scale, softcap) of a text config: the names transformers' causal LMs read (as `trl.add_fused_lm_head`)."""
+    """(scale, softcap) of a text config: the names transformers' causal LMs read, as trl 1.16's
+    `DistillationTrainer` reads them (trl/trainer/distillation_trainer.py; inline there, no helper to import)."""
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = getattr(config, "logit_scale", None)  # Cohere multiplies
     if scale is None:
