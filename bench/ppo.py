@@ -239,10 +239,12 @@ def ppo_options(group: dict, output_dir: str) -> dict:
     return dict(
         output_dir=output_dir, per_device_train_batch_size=group["micro"],
         gradient_accumulation_steps=group["grad_accum"], num_mini_batches=1, num_ppo_epochs=group["ppo_epochs"],
-        response_length=group["response_length"], temperature=COMMON["temperature"], stop_token="eos",
+        response_length=group["response_length"], temperature=COMMON["temperature"],
+        stop_token=group.get("stop_token", "eos"),
         local_rollout_forward_batch_size=rollout_size(group), kl_coef=COMMON["kl_coef"], vf_coef=COMMON["vf_coef"],
         learning_rate=COMMON["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        optim="adamw_torch", bf16=False, fp16=False, use_cpu=True, seed=0, report_to="none", save_strategy="no",
+        optim=group.get("optim", "adamw_torch"), bf16=False, fp16=False, use_cpu=True, seed=0, report_to="none",
+        save_strategy="no",
         disable_tqdm=True,
     )
 

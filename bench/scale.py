@@ -18,10 +18,20 @@ Workloads (`--workloads`; each (workload, library) runs in its own subprocess, r
     dpo_padded        trl.DPOTrainer vs hf_rlhf.DPOTrainer: prompt `--dpo_prompt` + completions `--dpo_completion`
                       tokens, sigmoid loss, frozen reference, batch 1 pair, 2 steps.
     dpo_padding_free  hf_rlhf's padding-free layout (TRL 1.16 has none on this path): against TRL's padded run.
+    dpo_prefix_sharing  hf_rlhf's prefix-shared layout (the prompt once per pair): against TRL's padded run.
+    reward            trl.RewardTrainer vs hf_rlhf.RewardTrainer on the DPO workload's pairs (a one-label classifier
+                      on the shape's base: no vocabulary logits).
+    ppo               TRL 1.12's PPOTrainer (policy, reference, value model, reward model) vs hf_rlhf's PPOTrainer
+                      (value head on the policy, reference, reward model): one rollout of `--ppo_batch` x
+                      `--ppo_accum` prompts of `--grpo_prompt` tokens, responses of exactly `--grpo_completion`
+                      tokens, one PPO epoch, KL 0.05.
     grpo              trl.GRPOTrainer vs hf_rlhf.GRPOTrainer: one prompt of `--grpo_prompt` tokens, G = 8
                       completions of exactly `--grpo_completion` tokens (hf_rlhf `stop_token=None`; TRL
                       `generation_kwargs={"min_new_tokens": L}`: eos is masked until L, so neither stops early),
-                      beta = 0, micro-batch 1 x 8 accumulation steps, one optimizer step.
+                      beta = 0, micro-batch `--grpo_batch` (G / grpo_batch accumulation steps), one optimizer step.
+
+Both libraries run their default optimizer (`--optim`, transformers' `adamw_torch_fused`) and the micro-batches of
+`BATCHES` unless told otherwise.
     roofline          not against TRL: this machine's memory bandwidth (a 1 GiB tensor copy), then decoding at batch 1
                       and batch G = 8 with each hf_rlhf engine (`generate`, `lean`, `static`) against the bandwidth
                       roofline: every decode step reads all the weights it uses (layers + LM head) and the KV cache,
@@ -67,13 +77,17 @@ SHAPES = {
 }
 WORKLOADS = {  # workload -> the libraries it runs, in order (the first one is the reference of the ratios)
     "sft_padded": ("trl", "hf_rlhf"), "sft_packed": ("trl", "hf_rlhf"),
-    "dpo_padded": ("trl", "hf_rlhf"), "dpo_padding_free": ("hf_rlhf",),
-    "grpo": ("trl", "hf_rlhf"),
+    "dpo_padded": ("trl", "hf_rlhf"), "dpo_padding_free": ("hf_rlhf",), "dpo_prefix_sharing": ("hf_rlhf",),
+    "grpo": ("trl", "hf_rlhf"), "reward": ("trl", "hf_rlhf"),
+    "ppo": ("trl", "hf_rlhf"),  # TRL 1.12's PPOTrainer (the last TRL with one), side-installed as bench/ppo.py does
     "grpo_static": ("hf_rlhf",), "grpo_lean": ("hf_rlhf",),  # hf_rlhf GRPO on another generation engine
     "roofline": ("generate", "lean", "static"),
 }
+# hf_rlhf with one memory lever changed, run only when `--libraries` names it (against TRL and hf_rlhf's default)
+EXTRA_LIBRARIES = {"hf_rlhf_ac": {"gradient_checkpointing": True}}
 # a workload TRL lacks: compared with TRL's run of another
-REFERENCE_OF = {"dpo_padding_free": "dpo_padded", "grpo_static": "grpo", "grpo_lean": "grpo"}
+REFERENCE_OF = {"dpo_padding_free": "dpo_padded", "dpo_prefix_sharing": "dpo_padded", "grpo_static": "grpo",
+                "grpo_lean": "grpo"}
 DEFAULT_WORKLOADS = ("sft_padded", "sft_packed", "dpo_padded", "dpo_padding_free", "grpo")
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 G = 8
@@ -83,6 +97,9 @@ PRESETS = {
     "quick": dict(shapes="tiny", layers=2, sft_len=128, dpo_prompt=32, dpo_completion=32, grpo_prompt=16,
                   grpo_completion=16, decode_tokens=8, roofline_prompt=16),
 }
+# options of every preset: the optimizer both libraries default to (transformers' `adamw_torch_fused`), micro-batches
+# (SFT padded rows, DPO / reward pairs, GRPO completions: G / grpo_batch accumulation steps), PPO's rollout
+BATCHES = dict(optim="adamw_torch_fused", sft_batch=2, dpo_batch=1, grpo_batch=1, ppo_batch=4, ppo_accum=2)
 MB = 2**20
 
 
@@ -218,9 +235,9 @@ def training_options(settings: dict, output_dir: str, batch: int, steps: int | N
     cuda = settings["device"] == "cuda"
     options = dict(output_dir=output_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
                    learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                   optim="adamw_torch", logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                   optim=settings["optim"], logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
                    seed=0, data_seed=0, use_cpu=not cuda, bf16=cuda, fp16=False, dataloader_num_workers=0,
-                   dataloader_pin_memory=False, gradient_checkpointing=False)
+                   dataloader_pin_memory=False, gradient_checkpointing=settings.get("gradient_checkpointing", False))
     if steps is None:
         options["num_train_epochs"] = 1
     else:
@@ -230,7 +247,7 @@ def training_options(settings: dict, output_dir: str, batch: int, steps: int | N
 
 def build_sft(library: str, variant: str, model_dir: str, tokenizer, dataset, settings: dict, out: str):
     packed = variant == "packed"
-    common = training_options(settings, out, batch=1 if packed else 2)
+    common = training_options(settings, out, batch=1 if packed else settings["sft_batch"])
     common.update(max_length=settings["sft_len"], packing=packed, packing_strategy="bfd")
     if library == "trl":
         from trl import SFTConfig, SFTTrainer
@@ -244,7 +261,7 @@ def build_sft(library: str, variant: str, model_dir: str, tokenizer, dataset, se
 
 
 def build_dpo(library: str, variant: str, model_dir: str, tokenizer, dataset, settings: dict, out: str):
-    common = training_options(settings, out, batch=1)
+    common = training_options(settings, out, batch=settings["dpo_batch"])
     common.update(max_length=settings["dpo_prompt"] + settings["dpo_completion"] + 8, loss_type="sigmoid")
     if library == "trl":
         from trl import DPOConfig, DPOTrainer
@@ -252,14 +269,114 @@ def build_dpo(library: str, variant: str, model_dir: str, tokenizer, dataset, se
         return DPOTrainer(model=model_dir, args=DPOConfig(**common), train_dataset=dataset, processing_class=tokenizer)
     from hf_rlhf import DPOConfig, DPOTrainer
 
-    args = DPOConfig(**common, padding_free=variant == "padding_free")
+    args = DPOConfig(**common, padding_free=variant == "padding_free", prefix_sharing=variant == "prefix_sharing")
     return DPOTrainer(model_dir, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def build_reward(library: str, model_dir: str, tokenizer, dataset, settings: dict, out: str):
+    """A one-label sequence classifier on the shape's base (its score head seeded by the Trainer's seed), the
+    pairs of the DPO workload."""
+    common = training_options(settings, out, batch=settings["dpo_batch"])
+    common.update(max_length=settings["dpo_prompt"] + settings["dpo_completion"] + 8)
+    if library == "trl":
+        from trl import RewardConfig, RewardTrainer
+
+        return RewardTrainer(model=model_dir, args=RewardConfig(**common), train_dataset=dataset,
+                             processing_class=tokenizer)
+    from hf_rlhf import RewardConfig, RewardTrainer
+
+    return RewardTrainer(model_dir, args=RewardConfig(**common), train_dataset=dataset, processing_class=tokenizer)
+
+
+def ppo_group(settings: dict) -> dict:
+    """bench/ppo.py's group: one rollout of `ppo_batch` x `ppo_accum` prompts of `grpo_prompt` tokens, responses of
+    exactly `grpo_completion` tokens (no stop token), one PPO epoch, KL 0.05 against the reference."""
+    return dict(micro=settings["ppo_batch"], grad_accum=settings["ppo_accum"], ppo_epochs=1,
+                response_length=settings["grpo_completion"], rollouts=1, optim=settings["optim"], stop_token=None)
+
+
+def prepare_ppo_models(model_dir: str, settings: dict) -> str:
+    """bench/ppo.py's layout for the shape: policy (the shape's model), reward (a one-label classifier on the same
+    base, seeded score head), tokenizer, prompts (a spare rollout, as bench/ppo.py keeps)."""
+    import random
+
+    root = Path(model_dir + "-ppo")
+    rows = 2 * settings["ppo_batch"] * settings["ppo_accum"]
+    marker = root / f"done-{settings['grpo_prompt']}-{rows}"
+    if marker.exists():
+        return str(root)
+    import torch
+    from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
+
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tokenizer.save_pretrained(root / "tokenizer")
+    if not (root / "policy").exists():
+        (root / "policy").symlink_to(Path(model_dir).resolve())
+    torch.manual_seed(1)
+    reward = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+    reward.config.pad_token_id = tokenizer.pad_token_id
+    reward.save_pretrained(root / "reward")
+    rng = random.Random(3)
+    prompts = []
+    for _ in range(rows):
+        ids = random_ids(rng, settings["grpo_prompt"], len(tokenizer))
+        prompts.append({"prompt": words(ids), "input_ids": ids})
+    (root / "prompts.json").write_text(json.dumps(prompts))
+    marker.write_text("ok\n")
+    return str(root)
+
+
+def ppo_worker(library: str, settings: dict, model_dir: str) -> dict:
+    """hf_rlhf's PPO (a value head on the policy, the default) against TRL 1.12's (separate value model), both with
+    a reference and a reward model, built by bench/ppo.py's functions."""
+    import ppo  # bench/ppo.py
+    import torch
+
+    if library == "trl":
+        import trl.experimental.ppo  # noqa: F401
+
+        assert trl.__version__ == ppo.TRL_VERSION, f"TRL worker imported trl {trl.__version__}"
+    else:
+        import hf_rlhf.trainers.ppo_trainer  # noqa: F401
+    import datasets  # noqa: F401
+
+    ppo_dir = prepare_ppo_models(model_dir, settings)
+    group = ppo_group(settings)
+    prompts = json.loads(Path(ppo_dir, "prompts.json").read_text())
+    timer = ppo.PhaseTimer()
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(sys.stderr):
+        rss_before = rss_mb()
+        reset_peak()
+        build = ppo.build_trl if library == "trl" else ppo.build_hf_rlhf
+        trainer, models = build("trl" if library == "trl" else "hf_rlhf_value_head", ppo_dir, prompts, group, out,
+                                timer)
+        load_before = os.getloadavg()[0]
+        start, cpu_start = time.perf_counter(), time.process_time()
+        trainer.train()
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        episodes = timer.rows
+        tokens = episodes * group["response_length"]
+        run = {"seconds": seconds, "cpu_seconds": cpu_seconds, "steps": trainer.state.global_step,
+               "first_loss": None, "param_dtype": str(next(trainer.model.parameters()).dtype),
+               "chunked_lm_head": library != "trl" and bool(getattr(trainer, "lm_heads", None)),
+               "params_m": sum(p.numel() for m in models.values() for p in m.parameters()) / 1e6,
+               "load_before": load_before, "threads": torch.get_num_threads(), "episodes": episodes,
+               "completion_tokens": tokens, "episodes_per_s": episodes / seconds, "tokens_per_s": tokens / seconds,
+               "tokens_per_cpu_s": tokens / cpu_seconds, "models": sorted(models)}
+    run["peak_mb"] = peak_mb() - rss_before
+    run["memory"] = "peak RSS - RSS before the model"
+    run["rss_before_model_mb"], run["peak_rss_mb"] = rss_before, peak_mb()
+    return run
 
 
 def build_grpo(library: str, model_dir: str, tokenizer, dataset, settings: dict, out: str, backend: str | None):
     length = settings["grpo_completion"]
-    common = training_options(settings, out, batch=1, steps=1, accum=G)
-    common.update(num_generations=G, max_completion_length=length, beta=0.0, temperature=1.0)
+    batch = settings["grpo_batch"]
+    if G % batch:
+        raise ValueError(f"--grpo_batch {batch} must divide G = {G}")
+    common = training_options(settings, out, batch=batch, steps=1, accum=G // batch)
+    common.update(num_generations=G, max_completion_length=length, beta=settings.get("beta", 0.0), temperature=1.0)
     if library == "trl":
         from trl import GRPOConfig, GRPOTrainer
 
@@ -294,6 +411,13 @@ class Counter:
         return batch
 
 
+def pair_tokens(dataset) -> int:
+    """Tokens of a tokenized preference dataset's pairs as a padded layout runs them: (prompt + chosen) + (prompt +
+    rejected) per row (TRL's and hf_rlhf's prepared columns `prompt_ids`, `chosen_ids`, `rejected_ids`)."""
+    return sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"],
+                                                               dataset["rejected_ids"]))
+
+
 def first_loss(trainer) -> float | None:
     for entry in trainer.state.log_history:
         if "loss" in entry:
@@ -320,8 +444,8 @@ def train_worker(workload: str, library: str, settings: dict, model_dir: str) ->
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON
         if workload.startswith("sft"):
             dataset = sft_dataset(settings, vocab)
-        elif workload.startswith("dpo"):
-            dataset = dpo_dataset(settings, vocab)
+        elif workload.startswith(("dpo", "reward")):
+            dataset = dpo_dataset(settings, vocab, pairs=2 * settings["dpo_batch"])  # two optimizer steps
         else:
             dataset = grpo_dataset(settings, vocab)
         rss_before = rss_mb()
@@ -333,6 +457,8 @@ def train_worker(workload: str, library: str, settings: dict, model_dir: str) ->
             trainer = build_sft(library, variant, model_dir, tokenizer, dataset, settings, out)
         elif workload.startswith("dpo"):
             trainer = build_dpo(library, variant, model_dir, tokenizer, dataset, settings, out)
+        elif workload == "reward":
+            trainer = build_reward(library, model_dir, tokenizer, dataset, settings, out)
         else:
             backend = workload.split("_")[1] if "_" in workload else settings.get("backend")
             trainer = build_grpo(library, model_dir, tokenizer, dataset, settings, out, backend)
@@ -344,7 +470,7 @@ def train_worker(workload: str, library: str, settings: dict, model_dir: str) ->
         # hf_rlhf's LM head in chunks of tokens (SFTConfig / PPOConfig.chunked_lm_head), where this tree has it
         heads = getattr(trainer, "lm_heads", None)
         heads = list(heads.values()) if isinstance(heads, dict) else list(heads or [getattr(trainer, "lm_head", None)])
-        chunked = library == "hf_rlhf" and any(head is not None for head in heads)
+        chunked = library != "trl" and any(head is not None for head in heads)
         load_before = os.getloadavg()[0]
         start, cpu_start = time.perf_counter(), time.process_time()
         trainer.train()
@@ -356,6 +482,8 @@ def train_worker(workload: str, library: str, settings: dict, model_dir: str) ->
                "params_m": sum(p.numel() for p in params) / 1e6, "load_before": load_before,
                "threads": torch.get_num_threads()}
         if counter is not None:
+            if workload.startswith("dpo"):  # the pairs' tokens, whatever the layout (prefix sharing holds the prompt
+                counter.real_tokens = pair_tokens(trainer.train_dataset)  # once; its mask is 4D)
             run.update(real_tokens=counter.real_tokens, positions=counter.positions, batch_shapes=counter.shapes,
                        tokens_per_s=counter.real_tokens / seconds)
         else:
@@ -470,8 +598,12 @@ def worker(config: str, settings: dict, model_dir: str) -> dict:
 
     torch.set_num_threads(settings["threads"])
     workload, library = config.split(":")
+    if library in EXTRA_LIBRARIES:  # hf_rlhf with one lever changed
+        settings = dict(settings, **EXTRA_LIBRARIES[library])
     if workload == "roofline":
         run = roofline_worker(library, settings, model_dir)
+    elif workload == "ppo":
+        run = ppo_worker(library, settings, model_dir)
     else:
         run = train_worker(workload, library, settings, model_dir)
     return {"config": config, "workload": workload, "library": library, **run}
@@ -481,14 +613,18 @@ def worker(config: str, settings: dict, model_dir: str) -> dict:
 def predict(workload: str, library: str, settings: dict, model_dir: str, run: dict,
             copies: float | None = None) -> dict:
     """`hf_rlhf.training.memory_plan`'s prediction for this run (the same call `hf-rlhf plan` makes); for padded
-    SFT, whose batches differ in width, the largest over its steps (the first step holds no optimizer state)."""
+    SFT, whose batches differ in width, the largest over its steps (the first step holds no optimizer state).
+    Results files written before the optimizer and batch options existed ran `adamw_torch` and the old batches."""
     from hf_rlhf.training.memory_plan import ModelShape, PlanOptions, plan_memory
 
     shape = ModelShape.load(model_dir)
     cuda = settings["device"] == "cuda"
+    command = workload.split("_")[0]
+    settings = dict(settings, **EXTRA_LIBRARIES.get(library, {}))
     common = dict(weight_dtype="float32", compute_dtype="bfloat16" if cuda else "float32",
-                  chunked_head=bool(run.get("chunked_lm_head")),
-                  logits_copies=CALIBRATION.get((workload.split("_")[0], library)) if copies is None else copies,
+                  activation_checkpointing=settings.get("gradient_checkpointing", False),
+                  chunked_head=bool(run.get("chunked_lm_head")), optimizer=settings.get("optim", "adamw_torch"),
+                  logits_copies=CALIBRATION.get((command, library)) if copies is None else copies,
                   device=settings["device"])
     if workload.startswith("sft"):
         t = settings["sft_len"]
@@ -499,15 +635,26 @@ def predict(workload: str, library: str, settings: dict, model_dir: str, run: di
                                                 steps=1 if step == 0 else 2, **common)).as_dict()
                  for step, (rows, width) in enumerate(shapes)]
         return max(plans, key=lambda plan: plan["peak"])
-    elif workload.startswith("dpo"):
+    if workload.startswith(("dpo", "reward")):
         seq = settings["dpo_prompt"] + settings["dpo_completion"]
-        keep = settings["dpo_completion"] if library == "hf_rlhf" else None  # hf_rlhf: logits at completions only
-        options = PlanOptions(command="dpo", batch_size=1, seq_len=seq, logits_positions=keep, steps=2, **common)
+        keep = settings["dpo_completion"] if library != "trl" else None  # hf_rlhf: logits at completions only
+        options = PlanOptions(command=command, batch_size=settings.get("dpo_batch", 1), seq_len=seq,
+                              logits_positions=keep, steps=2, **common)
+    elif workload == "ppo":
+        seq = settings["grpo_prompt"] + settings["grpo_completion"]
+        rollout = settings["ppo_batch"] * settings["ppo_accum"]
+        options = PlanOptions(command="ppo", batch_size=settings["ppo_batch"], seq_len=seq,
+                              gradient_accumulation_steps=settings["ppo_accum"],
+                              logits_positions=settings["grpo_completion"], generation_batch=rollout,
+                              prompt_len=settings["grpo_prompt"], completion_len=settings["grpo_completion"],
+                              beta=0.05, reward_model=True, value_model=library == "trl", steps=1, **common)
     else:
         seq = settings["grpo_prompt"] + settings["grpo_completion"]
-        options = PlanOptions(command="grpo", batch_size=1, seq_len=seq, logits_positions=settings["grpo_completion"],
-                              generation_batch=G, prompt_len=settings["grpo_prompt"],
-                              completion_len=settings["grpo_completion"], steps=1, **common)
+        batch = settings.get("grpo_batch", 1)
+        options = PlanOptions(command="grpo", batch_size=batch, seq_len=seq, gradient_accumulation_steps=G // batch,
+                              logits_positions=settings["grpo_completion"], generation_batch=G,
+                              prompt_len=settings["grpo_prompt"], completion_len=settings["grpo_completion"], steps=1,
+                              beta=settings.get("beta", 0.0), **common)
     return plan_memory(shape, options).as_dict()
 
 
@@ -519,6 +666,13 @@ CALIBRATION: dict[tuple[str, str], float] = {("sft", "trl"): 1.7, ("dpo", "trl")
 
 
 # ----------------------------------------------------------------------------------------------- parent side
+def trl_ppo_dir() -> str:
+    """TRL 1.12 side-installed (bench/ppo.py's cache): only its PPO workers put it first on their path."""
+    import ppo  # bench/ppo.py
+
+    return ppo.trl_side_install()
+
+
 def summarize(runs: list[dict], configs: list[str]) -> dict:
     summary = {}
     for config in configs:
@@ -718,6 +872,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--grpo_prompt", type=int)
     parser.add_argument("--grpo_completion", type=int)
     parser.add_argument("--backend", help="hf_rlhf GRPO generation_backend (default: the trainer's)")
+    parser.add_argument("--beta", type=float, help="GRPO's KL coefficient (default 0: no reference model)")
+    parser.add_argument("--optim", help=f"both libraries' optimizer (default {BATCHES['optim']}, their default)")
+    for key in ("sft_batch", "dpo_batch", "grpo_batch", "ppo_batch", "ppo_accum"):
+        parser.add_argument(f"--{key}", type=int, help=f"micro-batch (default {BATCHES[key]}; see BATCHES)")
     parser.add_argument("--decode_tokens", type=int, help="roofline: new tokens per call")
     parser.add_argument("--roofline_prompt", type=int, help="roofline: prompt tokens")
     parser.add_argument("--sweep", choices=("grpo",), help="run the GRPO pair over --lengths")
@@ -746,10 +904,10 @@ def main(argv: list[str] | None = None) -> dict:
         if not torch.cuda.is_available():
             print("no CUDA device: skipped")
             return {"skipped": "no CUDA"}
-    settings = dict(PRESETS["quick" if cli.quick else "full"], device=cli.device, threads=cli.threads,
+    settings = dict(PRESETS["quick" if cli.quick else "full"], **BATCHES, device=cli.device, threads=cli.threads,
                     backend=cli.backend)
     for key in ("shapes", "layers", "sft_len", "dpo_prompt", "dpo_completion", "grpo_prompt", "grpo_completion",
-                "decode_tokens", "roofline_prompt"):
+                "decode_tokens", "roofline_prompt", "beta", *BATCHES):
         if getattr(cli, key) is not None:
             settings[key] = getattr(cli, key)
     shapes = settings["shapes"].split(",")
@@ -762,7 +920,8 @@ def main(argv: list[str] | None = None) -> dict:
     only = set(filter(None, cli.libraries.split(",")))
     lengths = [int(n) for n in cli.lengths.split(",")] if cli.sweep else [settings["grpo_completion"]]
     plan = [(shape, workload, library, length) for shape in shapes for length in lengths for workload in workloads
-            for library in WORKLOADS[workload] if not only or library in only]
+            for library in WORKLOADS[workload] + tuple(EXTRA_LIBRARIES) if (library in only if only else
+                                                                             library not in EXTRA_LIBRARIES)]
     default_output = "bench/results/scale_sweep.json" if cli.sweep else "bench/results/scale.json"
     if cli.device == "cuda" and os.environ.get("OUT"):
         default_output = os.path.join(os.environ["OUT"], Path(default_output).name)
@@ -775,8 +934,9 @@ def main(argv: list[str] | None = None) -> dict:
             run_settings = dict(settings, grpo_completion=length)
             config = f"{workload}:{library}"
             try:
+                side = trl_ppo_dir() if (workload, library) == ("ppo", "trl") else None
                 run = harness.run_worker(__file__, ["--worker", config, "--settings", json.dumps(run_settings),
-                                                    "--model_dir", dirs[shape]])
+                                                    "--model_dir", dirs[shape]], extra_pythonpath=side)
             except RuntimeError as e:  # one failing configuration (out of memory, ...) does not lose the others
                 print(f"round {r + 1} {shape} {config} FAILED: {str(e)[-600:]}", flush=True)
                 continue

@@ -38,7 +38,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     parser.add_argument("--bf16", action="store_true", help="bf16 activations (autocast); weights as --dtype")
     parser.add_argument("--dtype", default="float32", help="weights: float32, bfloat16, float16, 4bit")
-    parser.add_argument("--optim", default="adamw", choices=sorted(OPTIMIZER_BYTES))
+    parser.add_argument("--optim", default="adamw_torch_fused", choices=sorted(OPTIMIZER_BYTES),
+                        help="default: transformers' default optimizer")
     parser.add_argument("--use_peft", action="store_true", help="LoRA (adapters off = the reference)")
     parser.add_argument("--lora_r", type=int, default=16)
     parser.add_argument("--lora_target_modules", default="all-linear", choices=("all-linear", "attention"))
@@ -51,6 +52,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--beta", type=float, default=None,
                         help="KL coefficient (grpo default 0: no reference; ppo 0.05)")
     parser.add_argument("--value_model", action="store_true", help="ppo: a separate value model")
+    parser.add_argument("--reward_model", action="store_true", help="ppo: a separate reward model")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cuda: torch's allocated memory (the CUDA context's ~0.5 GiB not included); cpu: RSS")
     parser.add_argument("--unit", default="GiB", choices=("GiB", "MiB"))
@@ -83,6 +85,7 @@ def options_from(args: argparse.Namespace) -> PlanOptions:
                    optimizer=args.optim, lora_r=args.lora_r if args.use_peft else 0,
                    lora_targets=args.lora_target_modules, activation_checkpointing=args.checkpointing,
                    chunked_head=chunked(args), logits_chunk=args.logits_chunk, value_model=args.value_model,
+                   reward_model=args.reward_model, gradient_accumulation_steps=args.gradient_accumulation_steps,
                    device=args.device)
     if command in ("grpo", "ppo"):
         completion = args.max_completion_length or 512

@@ -174,3 +174,31 @@ def test_lean_refuses_options_it_does_not_implement_by_name(tmp_path, tokenizer,
     finally:
         tiny_model.generation_config.repetition_penalty = before
     _generate(lean, tiny_model, tokenizer, ids, mask)
+
+
+@pytest.mark.parametrize("backend", ["generate", "lean", "static"])
+def test_no_kv_cache_outlives_the_generation_call(tokenizer, tiny_model, backend):
+    """The KV cache is sized to the call and freed when it returns (the `static` engine's pre-allocated cache
+    included): between rollouts the training step holds no cache (issue 41's KV-cache lever)."""
+    import gc
+    import weakref
+
+    from transformers.cache_utils import Cache
+
+    created = []
+    init = Cache.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        created.append(weakref.ref(self))
+
+    ids, mask = _prompts(tokenizer)
+    engine = build_engine(backend, **({"compile": False, "bucket": 16} if backend == "static" else {}))
+    Cache.__init__ = tracking_init
+    try:
+        _generate(engine, tiny_model, tokenizer, ids, mask, do_sample=True, temperature=1.0)
+    finally:
+        Cache.__init__ = init
+    gc.collect()
+    assert created, "no KV cache was built: the check saw nothing"
+    assert all(ref() is None for ref in created), f"{backend}: a KV cache is still referenced after generate"

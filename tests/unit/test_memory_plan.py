@@ -44,7 +44,7 @@ def test_parameter_count_matches_transformers():
 
 
 def test_sft_plan_by_hand():
-    plan = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=2))
+    plan = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=2, optimizer="adamw_torch"))
     got = parts(plan)
     assert got["weights"] == 6288 * 4
     assert got["gradients"] == 6288 * 4
@@ -62,12 +62,20 @@ def test_sft_plan_by_hand():
 
 
 def test_first_step_never_holds_moments_and_activations():
-    plan = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=1))
+    plan = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=1, optimizer="adamw_torch"))
     assert plan.phases["forward / backward"] == R + 25152 + 43520 + 24000 + 6400
     assert plan.peak == plan.phases["optimizer step"] == R + 113408
-    cuda = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=1, device="cuda"))
+    cuda = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=1, device="cuda",
+                                         optimizer="adamw_torch"))
     assert parts(cuda)["optimizer step temporaries"] == 2 * 4 * 6288  # foreach: every parameter at once
     assert "runtime" not in parts(cuda) and cuda.peak == 113408 + 2 * 4 * (6288 - 1600)
+
+
+def test_fused_adamw_has_no_step_temporaries():
+    """transformers' default `adamw_torch_fused` updates in place: the step phase is weights + gradients + state."""
+    plan = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=2))
+    assert plan.phases["optimizer step"] == R + 25152 + 25152 + 50304
+    assert parts(plan)["optimizer step temporaries"] == 0
 
 
 def test_checkpointing_chunking_lora_bf16():
