@@ -6,7 +6,8 @@ weights and the logged metrics of the same run left alone.
     python bench/chaos.py --trainers dpo --kills 3 --seed 1
 
 One SIGTERM comes first (the next attempt resumes from its checkpoint), then the kills. The moments, drawn with
-`random.Random(seed)` 1 to 3 steps after the latest complete checkpoint:
+`random.Random(seed)`: sorted steps spread over the run (a step after the checkpoint resumed from at the earliest),
+each with a kind of moment the run still reaches there:
   - between steps: after an optimizer step, before its save;
   - inside a save: while `optimizer.pt`, `scheduler.pt` or `rng_state.pth` of the staged checkpoint is being written
     (left 0 bytes, as a write cut by the kill), or with the staged folder complete, before its rename;
@@ -44,7 +45,6 @@ from hf_rlhf.training.checkpoints import latest_complete_checkpoint  # noqa: E40
 
 NOT_COMPARED = {"tokens_per_second"}  # wall-clock figures in the step logs
 MAX_STEPS = {"ppo": 16, "grpo_tools": 16, "dpo": 16}
-WINDOW = 3  # a moment falls 1 to WINDOW steps after the checkpoint resumed from: ten kills spread over the run
 ROLLOUT_STEPS = 4  # optimizer steps of one PPO / GRPO rollout (2 mini-batches x 2 epochs)
 SAVE_STEPS = 2
 KINDS = {"ppo": ("between steps", "inside a save", "mid-rollout"),
@@ -225,14 +225,19 @@ def latest_step(run_dir: str) -> int:
     return int(found.rsplit("-", 1)[1]) if found else 0
 
 
-def draw_moment(rng: random.Random, kind: str, after: int, margin: int = 0) -> tuple[str, int, str | None]:
-    """A moment 1 to `WINDOW` steps after step `after` that the run still reaches, `margin` steps before its end (a
-    SIGTERM there must still stop it early): (kind of moment, step, detail)."""
+def kill_steps(rng: random.Random, kind: str, kills: int) -> list[int]:
+    """`kills` seeded steps spread over the run (sorted): where each kill aims, at the earliest."""
+    return sorted(rng.randint(1, MAX_STEPS[kind] - 1) for _ in range(kills))
+
+
+def draw_moment(rng: random.Random, kind: str, after: int, aim: int, margin: int = 0) -> tuple[str, int, str | None]:
+    """A moment at step `aim` (or the step after `after`, the checkpoint resumed from, when that is later) that the run
+    still reaches `margin` steps before its end (a SIGTERM there must still stop it early): (kind of moment, step,
+    detail). Rollout moments fire at the next rollout from that step on, so they need one left."""
     last = MAX_STEPS[kind] - margin
-    kinds = [k for k in KINDS[kind] if k not in ("mid-rollout", "during a tool call") or after < last - ROLLOUT_STEPS]
+    step = min(max(aim, after + 1), last - 1)
+    kinds = [k for k in KINDS[kind] if k not in ("mid-rollout", "during a tool call") or step <= last - ROLLOUT_STEPS]
     moment = rng.choice(kinds)
-    top = last - ROLLOUT_STEPS if moment in ("mid-rollout", "during a tool call") else last - 1
-    step = rng.randint(after + 1, max(after + 1, min(top, after + WINDOW)))
     return moment, step, rng.choice(SAVE_POINTS) if moment == "inside a save" else None
 
 
@@ -308,8 +313,12 @@ def chaos(kind: str, workdir: str, kills: int = 10, seed: int = 0, sigterm: bool
     rng = random.Random(seed)
     start = time.monotonic()
     # the SIGTERM first (a fresh run: the moment leaves steps to stop early), then every kill resumes
-    term = attempt(kind, run_dir, draw_moment(rng, kind, 0, margin=SAVE_STEPS), mode="term") if sigterm else None
-    records = [attempt(kind, run_dir, draw_moment(rng, kind, latest_step(run_dir))) for _ in range(kills)]
+    term = None
+    if sigterm:
+        aim = rng.randint(1, MAX_STEPS[kind] // 2)
+        term = attempt(kind, run_dir, draw_moment(rng, kind, 0, aim, margin=SAVE_STEPS), mode="term")
+    records = [attempt(kind, run_dir, draw_moment(rng, kind, latest_step(run_dir), aim))
+               for aim in kill_steps(rng, kind, kills)]
     if term is not None:
         term["next_attempt_resumed_from"] = records[0]["resumed_from"] if records else None
     resumed = build(kind, run_dir)
