@@ -6,8 +6,8 @@ weights and the logged metrics of the same run left alone.
     python bench/chaos.py --trainers dpo --kills 3 --seed 1
 
 One SIGTERM comes first (the next attempt resumes from its checkpoint), then the kills. The moments, drawn with
-`random.Random(seed)`: sorted steps spread over the run (a step after the checkpoint resumed from at the earliest),
-each with a kind of moment the run still reaches there:
+`random.Random(seed)`: sorted steps spread over the rest of the run (a step after the checkpoint resumed from at the
+earliest), the kinds taken in turn (each one the run still reaches there):
   - between steps: after an optimizer step, before its save;
   - inside a save: while `optimizer.pt`, `scheduler.pt` or `rng_state.pth` of the staged checkpoint is being written
     (left 0 bytes, as a write cut by the kill), or with the staged folder complete, before its rename;
@@ -225,19 +225,25 @@ def latest_step(run_dir: str) -> int:
     return int(found.rsplit("-", 1)[1]) if found else 0
 
 
-def kill_steps(rng: random.Random, kind: str, kills: int) -> list[int]:
-    """`kills` seeded steps spread over the run (sorted): where each kill aims, at the earliest."""
-    return sorted(rng.randint(1, MAX_STEPS[kind] - 1) for _ in range(kills))
+def kill_plan(rng: random.Random, kind: str, kills: int, after: int) -> list[tuple[int, str]]:
+    """`kills` (step, kind of moment): seeded steps spread over the rest of the run (sorted), the kinds of moment
+    taken in turn from a seeded shuffle so that every kind is hit."""
+    steps = sorted(rng.randint(after + 1, MAX_STEPS[kind] - 1) for _ in range(kills))
+    kinds = []
+    while len(kinds) < kills:
+        kinds += rng.sample(KINDS[kind], len(KINDS[kind]))
+    return list(zip(steps, kinds))
 
 
-def draw_moment(rng: random.Random, kind: str, after: int, aim: int, margin: int = 0) -> tuple[str, int, str | None]:
+def draw_moment(rng: random.Random, kind: str, after: int, aim: int, wanted: str | None = None,
+                margin: int = 0) -> tuple[str, int, str | None]:
     """A moment at step `aim` (or the step after `after`, the checkpoint resumed from, when that is later) that the run
     still reaches `margin` steps before its end (a SIGTERM there must still stop it early): (kind of moment, step,
-    detail). Rollout moments fire at the next rollout from that step on, so they need one left."""
+    detail). `wanted` when the run still has it there (rollout moments fire at the next rollout, so need one left)."""
     last = MAX_STEPS[kind] - margin
     step = min(max(aim, after + 1), last - 1)
     kinds = [k for k in KINDS[kind] if k not in ("mid-rollout", "during a tool call") or step <= last - ROLLOUT_STEPS]
-    moment = rng.choice(kinds)
+    moment = wanted if wanted in kinds else rng.choice(kinds)
     return moment, step, rng.choice(SAVE_POINTS) if moment == "inside a save" else None
 
 
@@ -315,10 +321,9 @@ def chaos(kind: str, workdir: str, kills: int = 10, seed: int = 0, sigterm: bool
     # the SIGTERM first (a fresh run: the moment leaves steps to stop early), then every kill resumes
     term = None
     if sigterm:
-        aim = rng.randint(1, MAX_STEPS[kind] // 2)
-        term = attempt(kind, run_dir, draw_moment(rng, kind, 0, aim, margin=SAVE_STEPS), mode="term")
-    records = [attempt(kind, run_dir, draw_moment(rng, kind, latest_step(run_dir), aim))
-               for aim in kill_steps(rng, kind, kills)]
+        term = attempt(kind, run_dir, draw_moment(rng, kind, 0, rng.randint(1, 3), margin=SAVE_STEPS), mode="term")
+    records = [attempt(kind, run_dir, draw_moment(rng, kind, latest_step(run_dir), aim, wanted))
+               for aim, wanted in kill_plan(rng, kind, kills, latest_step(run_dir))]
     if term is not None:
         term["next_attempt_resumed_from"] = records[0]["resumed_from"] if records else None
     resumed = build(kind, run_dir)

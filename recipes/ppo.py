@@ -18,7 +18,6 @@ The data is read and checked (a local .json/.jsonl file as written: file, line, 
 before any model is loaded. `--resume_from_checkpoint true` (or `latest`) resumes from the latest complete
 checkpoint in `output_dir`, a path from that checkpoint; results.json then covers the whole run. After a
 non-finite stop nothing is saved or evaluated: results.json holds `stopped` and the recipe exits 1 with the message.
-A SIGTERM saves a checkpoint at the next optimizer step, writes results.json with `preempted` and exits 0.
 """
 
 from __future__ import annotations
