@@ -28,7 +28,7 @@ from hf_rlhf.cli.data_loading import load_text_dataset
 from hf_rlhf.cli.errors import run_recipe
 from hf_rlhf.cli.evaluation import evaluate_completions
 from hf_rlhf.cli.printing import print_outputs
-from hf_rlhf.cli.results import exit_after_nonfinite_stop, write_results
+from hf_rlhf.cli.results import exit_after_stop, write_results
 from hf_rlhf.cli.resume import resume_argument, train_run
 from hf_rlhf.toy.chain import ToyChainArguments, build_with_recipe, check_answers, is_model_dir, is_toy_run
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     before = evaluate()
     metrics = train_run(trainer, resume)
     task = "toy" if toy else script_args.dataset_name
-    exit_after_nonfinite_stop(trainer, args.output_dir, metrics, {"before": before, "task": task})
+    exit_after_stop(trainer, args.output_dir, metrics, {"before": before, "task": task})
     trainer.save_model(args.output_dir)
     after = evaluate()
     results = {"before": before, "after": after, "train": metrics, "task": task,

@@ -37,7 +37,7 @@ from hf_rlhf.cli.data_loading import PromptData, load_prompt_data, load_reward_f
 from hf_rlhf.cli.errors import run_recipe
 from hf_rlhf.cli.evaluation import KL_BAND, evaluate_completions, kl_summary
 from hf_rlhf.cli.printing import print_kl, print_outputs
-from hf_rlhf.cli.results import exit_after_nonfinite_stop, write_results
+from hf_rlhf.cli.results import exit_after_stop, write_results
 from hf_rlhf.cli.resume import resume_argument, train_run
 from hf_rlhf.toy.chain import ToyChainArguments, is_toy_run, toy_chain
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = train_run(trainer, resume)
     timings["ppo_s"] = round(time.perf_counter() - start, 1)
     task = "toy" if is_toy_run(script_args) else script_args.dataset_name
-    exit_after_nonfinite_stop(trainer, args.output_dir, metrics, {
+    exit_after_stop(trainer, args.output_dir, metrics, {
         "before": {k: v for k, v in before.items() if not isinstance(v, dict)}, "timings": timings,
         "reward": reward_name, "policy": model_config.model_name_or_path, "task": task})
     trainer.save_model(args.output_dir)

@@ -14,6 +14,7 @@ The data is read and checked (a local .json/.jsonl file as written: file, line, 
 before any model is loaded. `--resume_from_checkpoint true` (or `latest`) resumes from the latest complete
 checkpoint in `output_dir`, a path from that checkpoint; results.json then covers the whole run. After a
 non-finite stop nothing is saved or evaluated: results.json holds `stopped` and the recipe exits 1 with the message.
+A SIGTERM saves a checkpoint at the next optimizer step, writes results.json with `preempted` and exits 0.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hf_rlhf.cli.arguments import parse_recipe_args
 from hf_rlhf.cli.data_loading import load_text_dataset, tokenize_first
 from hf_rlhf.cli.errors import run_recipe
 from hf_rlhf.cli.printing import print_outputs
-from hf_rlhf.cli.results import exit_after_nonfinite_stop, write_results
+from hf_rlhf.cli.results import exit_after_stop, write_results
 from hf_rlhf.cli.resume import resume_argument, train_run
 from hf_rlhf.data import prepare_sft_dataset
 from hf_rlhf.toy.chain import is_toy_run, prepare_toy_base
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
                          processing_class=tokenizer, model_config=model_config)
     metrics = train_run(trainer, resume)
     task = "toy" if toy else script_args.dataset_name
-    exit_after_nonfinite_stop(trainer, training_args.output_dir, metrics, {"before": before, "task": task})
+    exit_after_stop(trainer, training_args.output_dir, metrics, {"before": before, "task": task})
     trainer.save_model(training_args.output_dir)
 
     after = toy_exact_match(trainer.accelerator.unwrap_model(trainer.model), tokenizer, held_out,

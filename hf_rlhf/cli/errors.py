@@ -45,8 +45,8 @@ def freeze_startup_heap() -> None:
 def run_recipe(main: Callable, close: bool = True):
     """Run a recipe's `main()` from the command line: on a frozen start-up heap (`freeze_startup_heap`), with freed C
     memory kept for reuse (`keep_freed_memory`); a bad input or option, or a model that cannot be loaded (no such
-    directory, not in the local hub cache, a Hub that cannot be reached: `ModelUnavailableError`), exits with its
-    message, not a traceback.
+    directory, not in the local hub cache, a Hub that cannot be reached: `ModelUnavailableError`), or an output
+    directory that cannot be written (`CheckpointWriteError`) exits with its message, not a traceback.
 
     Args:
         main: the recipe's entry point.
@@ -59,13 +59,15 @@ def run_recipe(main: Callable, close: bool = True):
     from ..data import DataFileError, DataValidationError
     from ..models.loading import ModelUnavailableError
     from ..trainers.config_checks import RenamedOptionError
+    from ..training.checkpoints import CheckpointWriteError
     from .allocator import keep_freed_memory
 
     freeze_startup_heap()
     keep_freed_memory()
     try:
         results = main()
-    except (DataFileError, DataValidationError, RecipeOptionError, RenamedOptionError, ModelUnavailableError) as e:
+    except (DataFileError, DataValidationError, RecipeOptionError, RenamedOptionError, ModelUnavailableError,
+            CheckpointWriteError) as e:
         raise SystemExit(f"[hf_rlhf] error: {e}") from None
     if close:
         close_process_group()

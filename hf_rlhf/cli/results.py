@@ -1,5 +1,5 @@
-"""The end of a recipe's run: results.json (written atomically), or after a non-finite stop, results.json saying so
-and a non-zero exit."""
+"""The end of a recipe's run: results.json (written atomically); after a non-finite stop, results.json saying so and a
+non-zero exit; after a SIGTERM stop (`hf_rlhf.training.preemption`), results.json saying so and exit 0."""
 
 from __future__ import annotations
 
@@ -39,6 +39,30 @@ def exit_after_nonfinite_stop(trainer, output_dir: str, metrics: dict, results: 
         write_results(output_dir, {**results, "train": metrics, "stopped": stop})
     raise SystemExit(f"[hf_rlhf] {stop['message']}. No model was saved or evaluated; results: "
                      f"{os.path.join(output_dir, 'results.json')}")
+
+
+def exit_after_stop(trainer, output_dir: str, metrics: dict, results: dict) -> None:
+    """After a SIGTERM stop or a non-finite stop: results.json saying so, nothing saved or evaluated, and an exit.
+
+    Returns only when training ran to its end.
+
+    Raises:
+        SystemExit: 0 after a SIGTERM stop (its checkpoint is written: the scheduler's grace period is not spent on
+            a final save and evaluation; `--resume_from_checkpoint latest` goes on from it), 1 after a non-finite
+            stop (`exit_after_nonfinite_stop`).
+    """
+    preempted = getattr(trainer, "preempted", None)
+    if preempted is not None:
+        if trainer.is_world_process_zero():
+            write_results(output_dir, {**results, "train": metrics, "preempted": preempted})
+            print(f"[hf_rlhf] {preempted['signal']}: stopped at step {preempted['step']} with checkpoint "
+                  f"{preempted['checkpoint']} ({preempted['seconds_after_signal']} s after the signal); no model "
+                  "was saved or evaluated; go on with --resume_from_checkpoint latest", flush=True)
+        from .errors import close_process_group
+
+        close_process_group()  # every rank stopped at the same step (the flag is all-reduced) and gets here
+        raise SystemExit(0)
+    exit_after_nonfinite_stop(trainer, output_dir, metrics, results)
 
 
 def write_results(output_dir: str, results: dict) -> str:

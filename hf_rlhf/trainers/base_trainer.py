@@ -8,6 +8,7 @@
   save with their own `save_pretrained(dir, state_dict=None)` and load back with `load_checkpoint(dir)`;
 - atomic checkpoints and resume from the latest complete one (`hf_rlhf.training.checkpoints.AtomicCheckpointMixin`), and
   a non-finite loss / grad norm caught before the optimizer step (`hf_rlhf.training.nonfinite.NonFiniteGuardMixin`);
+- on SIGTERM, a checkpoint at the next step boundary and a clean stop (`hf_rlhf.training.preemption`);
 - one on-device metric accumulator per mode (`self.metrics["train"]`, `self.metrics["eval"]`), reduced over ranks
   and merged into the Trainer's logs by `log` (`logged_metrics` turns the sums into what is logged).
 
@@ -33,13 +34,14 @@ from ..models.loading import apply_lora, hub_errors, lora_config
 from ..models.value_head import ValueHeadModel, reward_config_of
 from ..training.checkpoints import AtomicCheckpointMixin
 from ..training.nonfinite import NonFiniteGuardMixin
+from ..training.preemption import PreemptionMixin
 from .config_checks import check_renamed
 from .metrics import MetricAccumulator
 
 logger = logging.getLogger("hf_rlhf")
 
 
-class BaseTrainer(NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
+class BaseTrainer(PreemptionMixin, NonFiniteGuardMixin, AtomicCheckpointMixin, Trainer):
     """A `transformers.Trainer` with the setup, saving and metric plumbing the hf_rlhf trainers share.
 
     Subclasses set `config_class` (their `TrainingArguments` subclass) and `default_output_dir`, build their model

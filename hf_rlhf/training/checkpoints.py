@@ -9,6 +9,13 @@ rotated. A checkpoint therefore exists whole or not at all.
 
 `latest_complete_checkpoint` is the reader's half: the newest `checkpoint-N` whose files are all there (so a broken
 folder left by an older, in-place writer is skipped too), with a warning naming every folder skipped.
+
+A bad environment is named, and leaves nothing half-written: an output directory that cannot be written (read-only,
+no permission) stops `train()` before the first step (`check_writable`); a save that fails (a full disk: torch's
+writer reports it as a `RuntimeError` about a file position, safetensors as its own error; a folder deleted under
+the save) removes its staging folder and raises `CheckpointWriteError`, which names the checkpoint, the cause, the
+free space and the last complete checkpoint to resume from; an output directory deleted between two saves is
+written again, with a warning.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import logging
 import os
 import re
 import shutil
+import tempfile
+import zipfile
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -32,12 +41,80 @@ OPTIMIZER_FILES = ("optimizer.pt", "scheduler.pt")
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (nothing of it was published). `errno` is the cause's, when it had one."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+
+def check_writable(output_dir: str) -> None:
+    """Create `output_dir` if needed and write (then remove) a probe file in it.
+
+    Raises:
+        CheckpointWriteError: naming the folder and the system's reason (read-only file system, permission denied,
+            no space left).
+    """
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".hf_rlhf-write-check-", dir=output_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise CheckpointWriteError(
+            f"output_dir {output_dir!r} cannot be written ({err.strerror or err}): checkpoints and the trained model "
+            "are saved there; give a writable --output_dir (or save_strategy='no' to train without checkpoints)",
+            err.errno) from err
+
+
+def _free_space(folder: str) -> str:
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    try:
+        return f"{shutil.disk_usage(folder or '.').free / 2**20:,.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+def file_problem(path: str) -> str | None:
+    """Why a written weights / optimizer / RNG file is cut short, or None: a torch archive (`.pt`, `.pth`, `.bin`:
+    a zip) whose central directory is missing or names bytes past the end, or a `.safetensors` file shorter than its
+    header says. A full disk can leave such a file without any error from the writer (torch's writer reported none
+    when writing to /dev/full here). Reads the header / directory only, not the tensors."""
+    name, size = os.path.basename(path), os.path.getsize(path)
+    try:
+        if name.endswith(".safetensors"):
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(length))
+            end = 8 + length + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        elif name.endswith((".pt", ".pth", ".bin")):
+            with zipfile.ZipFile(path) as archive:
+                end = max((i.header_offset + i.compress_size for i in archive.infolist()), default=0)
+        else:
+            return None
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as err:
+        return f"{name} is unreadable ({type(err).__name__}: {err})"
+    return f"{name} is cut short ({size} bytes, its index names {end})" if size < end else None
+
+
+def _files_problem(folder: str) -> str | None:
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        problem = file_problem(path) if os.path.isfile(path) and os.path.getsize(path) > 0 else None
+        if problem is not None:
+            return problem
+    return None
+
+
 def checkpoint_problem(folder: str, save_only_model: bool = False) -> str | None:
     """Why `folder` is not a complete checkpoint, or None when it is.
 
     Complete: `trainer_state.json` parses; a weights file (or every shard of a weights index) is present and not
     empty; unless `save_only_model`, `optimizer.pt` and `scheduler.pt` are there and not empty, or a DeepSpeed
-    `latest` tag names a non-empty folder (DeepSpeed keeps its optimizer there).
+    `latest` tag names a non-empty folder (DeepSpeed keeps its optimizer there); no file is cut short
+    (`file_problem`).
     """
     def nonempty(name):
         path = os.path.join(folder, name)
@@ -75,7 +152,7 @@ def checkpoint_problem(folder: str, save_only_model: bool = False) -> str | None
             missing = [name for name in OPTIMIZER_FILES if not nonempty(name)]
             if missing:
                 return f"{', '.join(missing)} missing or empty (save_only_model was off)"
-    return None
+    return _files_problem(folder)
 
 
 def latest_complete_checkpoint(output_dir: str, save_only_model: bool = False) -> str | None:
@@ -134,6 +211,7 @@ class AtomicCheckpointMixin:
     """
 
     _staging_dir: str | None = None
+    _published: str | None = None  # the last checkpoint this trainer published
 
     def _get_output_dir(self, trial):
         # while a checkpoint is staged, the Trainer's save (and its rotation, a no-op there) runs in the staging dir
@@ -150,12 +228,17 @@ class AtomicCheckpointMixin:
             for stale in os.listdir(run_dir):
                 if stale.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
                     shutil.rmtree(os.path.join(run_dir, stale), ignore_errors=True)
+        if self.args.should_save and self._published and not os.path.isdir(run_dir):
+            logger.warning("[hf_rlhf] output_dir %s was deleted since %s was saved; writing %s into a new one",
+                           run_dir, self._published, name)
         self.accelerator.wait_for_everyone()
         push, self.args.push_to_hub = self.args.push_to_hub, False  # pushed from the final folder, below
         self._staging_dir = staging
         try:
             self._save_checkpoint_extras(os.path.join(staging, name))
             super()._save_checkpoint(model, trial)
+        except Exception as err:  # a full disk reaches here as torch's RuntimeError or safetensors' own error
+            raise self._write_failed(err, staging, name, run_dir) from err
         finally:
             self._staging_dir, self.args.push_to_hub = None, push
         staged_best = os.path.join(staging, name)
@@ -165,13 +248,33 @@ class AtomicCheckpointMixin:
                 self.state.save_to_json(os.path.join(staged_best, TRAINER_STATE))
         self.accelerator.wait_for_everyone()  # every rank's files are in the staging folder
         if self.args.should_save:
-            self._publish(staged_best, final)
+            try:
+                problem = _files_problem(staged_best)  # a file a full disk cut short without telling the writer
+                if problem is not None:
+                    raise CheckpointWriteError(f"{problem}; the disk may be full")
+                self._publish(staged_best, final)
+            except (OSError, CheckpointWriteError) as err:
+                raise self._write_failed(err, staging, name, run_dir) from err
+            self._published = final
             shutil.rmtree(staging, ignore_errors=True)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
         self.accelerator.wait_for_everyone()
         if push:
             self._push_from_checkpoint(final)
+
+    def _write_failed(self, err: Exception, staging: str, name: str, run_dir: str) -> CheckpointWriteError:
+        """Remove the staging folder (it may hold most of a full disk's last bytes) and say what failed."""
+        cause = f"{type(err).__name__}: {err}"
+        if not os.path.isdir(staging):
+            cause += f" ({'output_dir' if not os.path.isdir(run_dir) else 'the staging folder'} was deleted during "
+            cause += "the save)"
+        shutil.rmtree(staging, ignore_errors=True)
+        last = latest_complete_checkpoint(run_dir, self.args.save_only_model)
+        return CheckpointWriteError(
+            f"{name} could not be written to {run_dir} ({cause}; {_free_space(run_dir)}). Nothing of it was "
+            f"published; the last complete checkpoint is {last or 'none'}. Free space or give a writable "
+            "--output_dir, then resume with --resume_from_checkpoint latest", getattr(err, "errno", None))
 
     @staticmethod
     def _publish(staged: str, final: str) -> None:
@@ -201,5 +304,7 @@ class AtomicCheckpointMixin:
         return resume_from_checkpoint
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        if self.args.should_save and self.args.save_strategy != "no":  # fail before the first step, not at a save
+            check_writable(self.args.output_dir)
         return super().train(resume_from_checkpoint=self.resolve_resume_checkpoint(resume_from_checkpoint),
                              trial=trial, **kwargs)
