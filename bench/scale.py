@@ -647,14 +647,15 @@ def predict(workload: str, library: str, settings: dict, model_dir: str, run: di
                               gradient_accumulation_steps=settings["ppo_accum"],
                               logits_positions=settings["grpo_completion"], generation_batch=rollout,
                               prompt_len=settings["grpo_prompt"], completion_len=settings["grpo_completion"],
-                              beta=0.05, reward_model=True, value_model=library == "trl", steps=1, **common)
+                              beta=0.05, reward_model=True, value_model=library == "trl", steps=1,
+                              prefix_sharing=False, **common)  # every prompt of a PPO rollout is distinct
     else:
         seq = settings["grpo_prompt"] + settings["grpo_completion"]
         batch = settings.get("grpo_batch", 1)
         options = PlanOptions(command="grpo", batch_size=batch, seq_len=seq, gradient_accumulation_steps=G // batch,
                               logits_positions=settings["grpo_completion"], generation_batch=G,
                               prompt_len=settings["grpo_prompt"], completion_len=settings["grpo_completion"], steps=1,
-                              beta=settings.get("beta", 0.0), **common)
+                              beta=settings.get("beta", 0.0), prefix_sharing=library != "trl", **common)
     return plan_memory(shape, options).as_dict()
 
 

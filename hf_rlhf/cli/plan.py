@@ -92,6 +92,7 @@ def options_from(args: argparse.Namespace) -> PlanOptions:
         beta = args.beta if args.beta is not None else (0.0 if command == "grpo" else 0.05)
         generation = args.generation_batch_size or micro * args.gradient_accumulation_steps
         options.update(seq_len=args.max_prompt_length + completion, logits_positions=completion, beta=beta,
+                       prefix_sharing=command == "grpo" and args.num_generations > 1,  # hf_rlhf's default there
                        generation_batch=generation, prompt_len=args.max_prompt_length, completion_len=completion)
     else:
         options.update(seq_len=args.max_length,

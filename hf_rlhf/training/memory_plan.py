@@ -46,13 +46,18 @@ ACTIVATION_FLOATS = {"hidden": 8, "intermediate": 4}
 # copies of a (positions x vocabulary) fp32 tensor alive together at the loss's peak, by command, without the
 # chunked LM head: the logits, the log-softmax (or the cross-entropy's internal copy) and, in the backward, its
 # gradient. dpo: measured (bench/scale.py, Qwen2.5-0.5B shape, 152k vocabulary, CPU) before DPOTrainer had the
-# chunked head: ~7.3 copies of its (2 x completion x V) logits at the peak (padded and padding-free alike); sft,
-# grpo, ppo: the textbook 3 (not measured here: hf_rlhf chunks their LM head by default)
-LOGITS_COPIES = {"sft": 3.0, "dpo": 7.3, "grpo": 3.0, "ppo": 3.0, "reward": 0.0}
+# chunked head: ~7.3 copies of its (2 x completion x V) logits at the peak (padded and padding-free alike); sft:
+# 6.1 / 5.6 / 5.2 / 5.2 at V = 32k / 64k / 128k / 152k (`chunked_lm_head=False`, one step of 1 x 1,000 tokens,
+# bench/lm_head_memory.py --sweep vocab=...); grpo, ppo: the textbook 3 (hf_rlhf chunks their LM head by default)
+LOGITS_COPIES = {"sft": 5.3, "dpo": 7.3, "grpo": 3.0, "ppo": 3.0, "reward": 0.0}
 RUNTIME_OVERHEAD = {"cpu": 60 * MIB}
-# copies of one chunk's (chunk, V) fp32 logits alive at once in its backward: 4.3 and 4.7 measured (hf_rlhf GRPO,
-# SmolLM2-135M shape, 1,024 and 2,048 completion tokens, CPU)
-CHUNK_COPIES = 4.5
+# copies of one chunk's (chunk, V) fp32 logits alive at once in its backward: 3.15 and 3.0 measured (hf_rlhf GRPO,
+# SmolLM2-135M shape, 1,024 and 2,048 completion tokens, CPU, the accumulated gradients counted)
+CHUNK_COPIES = 3.1
+# the prefix-shared layout (GRPO / PPO: a micro-batch's rows of one prompt as one row, the prompt once): its 4D
+# mask over the shared row's L tokens, ~4 fp32 copies of (L x L) alive in the forward / backward (measured: +271 MB
+# at L = 64 + 4 x 1,024, Qwen2.5-0.5B shape, sdpa on CPU, against the rows run apart)
+SHARED_MASK_COPIES = 4.0
 OPTIMIZER_BYTES = {"adamw": 8, "adamw_torch": 8, "adamw_torch_fused": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2,
                    "adamw_bnb_8bit": 2, "sgd": 0, "adafactor": 4}
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "4bit": 0.5, "int8": 1}
@@ -180,6 +185,7 @@ class PlanOptions:
     prompt_len: int = 0
     completion_len: int = 0
     steps: int = 2  # optimizer steps: 1 never holds the optimizer state during a backward
+    prefix_sharing: bool = False  # grpo / ppo: the micro-batch's rows of one prompt in one row (`prefix_sharing`)
     gradient_accumulation_steps: int = 1  # > 1: every micro-batch's backward but the first adds to held gradients
     device: str = "cpu"
     extra: dict = field(default_factory=dict)
@@ -265,6 +271,12 @@ def plan_memory(shape: ModelShape, options: PlanOptions) -> Plan:
     activations = activation_bytes(shape, tokens, abytes, o.activation_checkpointing)
     parts.append(("activations", activations, f"{tokens:,} tokens x {shape.num_layers} layers"
                   + (" (checkpointed)" if o.activation_checkpointing else "")))
+    shared_mask = 0.0
+    if o.prefix_sharing and o.command in ("grpo", "ppo") and o.batch_size > 1 and o.completion_len:
+        length = o.prompt_len + o.batch_size * o.completion_len
+        shared_mask = SHARED_MASK_COPIES * length**2 * 4
+        parts.append(("shared-prompt mask", shared_mask, f"{o.batch_size} rows of a prompt as one row of {length:,} "
+                                                         f"tokens: its 4D mask x {SHARED_MASK_COPIES:g} copies"))
     logits = rows * shape.vocab_size * 4 * copies
     parts.append(("logits", logits, f"{rows:,} rows x {shape.vocab_size:,} x 4 B x {copies:g} copies"
                   + (f" (a chunk of the {positions:,} rows)" if rows < positions else "")))
@@ -289,10 +301,11 @@ def plan_memory(shape: ModelShape, options: PlanOptions) -> Plan:
         parts.append(("runtime", runtime, "allocator arenas, data loader, lazy imports (measured on CPU)"))
     resident = weights + ref + value + reward_weights + runtime
     moments = optimizer if o.steps > 1 else 0.0
-    # accumulating: the later micro-batches' backwards add into the gradients the earlier ones left (all of them)
-    held = gradients if o.gradient_accumulation_steps > 1 else head_grad
+    # accumulating: the later micro-batches' backwards add into the gradients the earlier ones left (all of them),
+    # each new gradient made whole before it is added (the LM head's first, while the logits' copies still live)
+    held = gradients + head_grad if o.gradient_accumulation_steps > 1 else head_grad
     phases = {
-        "forward / backward": resident + moments + activations + logits + held,
+        "forward / backward": resident + moments + activations + logits + held + shared_mask,
         "end of backward": resident + moments + gradients + (head_grad if shape.tied else 0),
         "optimizer step": resident + gradients + optimizer + step_temp,
     }

@@ -6,6 +6,7 @@ from hf_rlhf.training.memory_plan import (
     CHUNK_COPIES,
     LOGITS_COPIES,
     RUNTIME_OVERHEAD,
+    SHARED_MASK_COPIES,
     ModelShape,
     PlanOptions,
     plan_memory,
@@ -44,7 +45,8 @@ def test_parameter_count_matches_transformers():
 
 
 def test_sft_plan_by_hand():
-    plan = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=2, optimizer="adamw_torch"))
+    plan = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=2, optimizer="adamw_torch",
+                                         logits_copies=3))
     got = parts(plan)
     assert got["weights"] == 6288 * 4
     assert got["gradients"] == 6288 * 4
@@ -62,11 +64,12 @@ def test_sft_plan_by_hand():
 
 
 def test_first_step_never_holds_moments_and_activations():
-    plan = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=1, optimizer="adamw_torch"))
+    plan = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=1, optimizer="adamw_torch",
+                                         logits_copies=3))
     assert plan.phases["forward / backward"] == R + 25152 + 43520 + 24000 + 6400
     assert plan.peak == plan.phases["optimizer step"] == R + 113408
     cuda = plan_memory(TINY, PlanOptions(command="sft", batch_size=2, seq_len=10, steps=1, device="cuda",
-                                         optimizer="adamw_torch"))
+                                         optimizer="adamw_torch", logits_copies=3))
     assert parts(cuda)["optimizer step temporaries"] == 2 * 4 * 6288  # foreach: every parameter at once
     assert "runtime" not in parts(cuda) and cuda.peak == 113408 + 2 * 4 * (6288 - 1600)
 
@@ -134,3 +137,21 @@ def test_named_shapes_and_errors(tmp_path):
         ModelShape.load(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="unknown command"):
         plan_memory(TINY, PlanOptions(command="kto"))
+
+
+def test_accumulation_holds_every_gradient_and_the_shared_prompt_mask_is_counted():
+    one = plan_memory(TINY, PlanOptions(**one_options()))
+    accumulated = plan_memory(TINY, PlanOptions(**{**one_options(), "gradient_accumulation_steps": 2}))
+    # the later micro-batches' backward: every gradient the earlier ones left, plus the head's fresh one
+    assert accumulated.phases["forward / backward"] - one.phases["forward / backward"] == 6288 * 4
+    shared = plan_memory(TINY, PlanOptions(**{**one_options(), "prefix_sharing": True}))
+    length = 4 + 4 * 8  # the prompt once, then the 4 completions, in one row
+    assert parts(shared)["shared-prompt mask"] == SHARED_MASK_COPIES * length**2 * 4
+    assert shared.phases["forward / backward"] - one.phases["forward / backward"] == SHARED_MASK_COPIES * length**2 * 4
+    single = plan_memory(TINY, PlanOptions(**{**one_options(), "prefix_sharing": True, "batch_size": 1}))
+    assert "shared-prompt mask" not in parts(single)  # one row a micro-batch: nothing to share
+
+
+def one_options() -> dict:
+    return dict(command="grpo", batch_size=4, seq_len=12, logits_positions=8, prompt_len=4, completion_len=8,
+                generation_batch=8, steps=1, logits_copies=3)
