@@ -1,0 +1,65 @@
+"""KTO batches without padding: the B prompt + completion sequences end to end in one row, and the B prompt +
+mismatched (KL) completion sequences in another, each laid out by `collators.dpo.PaddingFreePreferenceCollator`
+(`position_ids` restarting at 0 per sequence, the completion tokens read through a gather). The padded layout is
+trl's own `DataCollatorForUnpairedPreference`; both give the same log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .dpo import PaddingFreePreferenceCollator
+
+
+class PaddingFreeUnpairedCollator:
+    """Collate tokenized KTO rows (`prompt_ids`, `completion_ids`, `label`, optionally `KL_completion_ids`,
+    `ref_logps`, `ref_KL_logps`) into padding-free rows.
+
+    Args:
+        pad_token_id, max_length, pad_to_multiple_of, return_flash_attention_kwargs: as for
+            `PaddingFreePreferenceCollator` (keep-start truncation of each prompt + completion at `max_length`).
+
+    Returns (from `__call__`), for B rows: the matched sequences' `input_ids` (1, N), `position_ids`, `row_index`,
+    `logit_index`, `target_ids`, `gather_mask`, `sequence_lengths` (B,); the same for the mismatched ones prefixed
+    `KL_`; `label` (B,) bool; `ref_logps` / `ref_KL_logps` (B,) when the rows have them.
+
+    >>> batch = PaddingFreeUnpairedCollator(0)([{"prompt_ids": [1], "completion_ids": [2, 3], "label": True,
+    ...                                          "KL_completion_ids": [4]}, {"prompt_ids": [5], "completion_ids": [4],
+    ...                                          "label": False, "KL_completion_ids": [2, 3]}])
+    >>> batch["input_ids"], batch["KL_input_ids"], batch["label"]  # doctest: +NORMALIZE_WHITESPACE
+    (tensor([[1, 2, 3, 5, 4]]), tensor([[1, 4, 5, 2, 3]]), tensor([ True, False]))
+    """
+
+    def __init__(self, pad_token_id: int | None, max_length: int | None = None, pad_to_multiple_of: int | None = None,
+                 return_flash_attention_kwargs: bool = False):
+        kwargs = dict(pad_token_id=pad_token_id, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of,
+                      return_flash_attention_kwargs=return_flash_attention_kwargs)
+        self.matched = PaddingFreePreferenceCollator(**kwargs, sides=("completion_ids",))
+        self.mismatched = PaddingFreePreferenceCollator(**kwargs, sides=("KL_completion_ids",))
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.matched(features)
+        if "KL_completion_ids" in features[0]:
+            batch.update({f"KL_{k}": v for k, v in self.mismatched(features).items()})
+        for key in ("ref_logps", "ref_KL_logps"):
+            if key in features[0]:
+                batch[key] = torch.tensor([float(f[key]) for f in features])
+        batch["label"] = torch.tensor([bool(f["label"]) for f in features])
+        return batch
+
+
+def split_unpaired_batch(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(matched, mismatched): a KTO batch's prompt + completion sequences and its prompt + mismatched (KL) completion
+    sequences as two batches of the same layout (the `KL_` prefix dropped); `label` and the reference log-probs left
+    out; mismatched is None when the batch has no KL sequences.
+
+    >>> matched, mismatched = split_unpaired_batch({"input_ids": 1, "KL_input_ids": 2, "label": 3, "ref_logps": 4})
+    >>> matched, mismatched
+    ({'input_ids': 1}, {'input_ids': 2})
+    """
+    skip = ("label", "ref_logps", "ref_KL_logps")
+    matched = {k: v for k, v in batch.items() if not k.startswith("KL_") and k not in skip}
+    mismatched = {k[3:]: v for k, v in batch.items() if k.startswith("KL_") and k not in skip}
+    return matched, mismatched or None
