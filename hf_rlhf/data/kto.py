@@ -14,7 +14,8 @@ Then as TRL: eos appended to plain-text completions; prompt and prompt + complet
 dropped (`overlong_policy="truncate"`; `drop` / `error` as for DPO); and, for the KTO loss, each row's mismatched
 completion `KL_completion_ids`: the completions rotated by one inside each block of `per_device_train_batch_size`
 rows, (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1}), so that the batch's KL estimate sees the batch's own completions
-paired with other prompts (`mismatched_completions`). Streamed datasets are refused (they are not prepared here).
+paired with other prompts (`mismatched_completions`). A streamed `IterableDataset` is prepared lazily, as TRL's:
+each row checked as it streams (the error names its index in the stream), the length policy a lazy filter.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from trl.data_utils import extract_prompt, is_conversational, unpair_preference_
 from .dpo import add_eos, completion_eos, tokenize_completions
 from .options import DataOptions
 from .preference import check_preference_rows, check_token_ids
-from .streaming import is_streamed
+from .streaming import first_rows, is_streamed, stream_columns
 from .tokenization import (
     BOUNDARY_COLUMN,
     check_chat_template,
@@ -85,13 +86,7 @@ def check_kto_rows(dataset, options: DataOptions) -> str:
         check_preference_rows(dataset, options)
         return fmt
     check_not_empty(dataset)
-    if fmt == "tokenized":
-        checks = {"prompt_ids": check_prompt_ids, "completion_ids": check_token_ids, "label": check_label}
-    elif is_conversational_column(dataset, "completion"):
-        checks = {"prompt": check_messages, "label": check_label,
-                  "completion": lambda row, field, value: check_messages(row, field, value, require_assistant=True)}
-    else:
-        checks = {"prompt": check_text, "completion": check_text, "label": check_label}
+    checks = _row_checks(fmt, fmt != "tokenized" and is_conversational_column(dataset, "completion"))
     for index, row in iter_rows(dataset, list(checks)):
         for field, check in checks.items():
             check(index, field, row[field])
@@ -129,8 +124,7 @@ def prepare_kto_dataset(dataset, tokenizer, options, block_size: int, mismatched
         A `Dataset` with `prompt_ids`, `completion_ids`, `label` (and `KL_completion_ids`), other columns kept.
     """
     if is_streamed(dataset):
-        raise ValueError("KTOTrainer: a streamed IterableDataset is not supported (the mismatched KL completions "
-                         "rotate over blocks of rows, prepared up front); pass a map-style Dataset.")
+        return _prepare_streamed(dataset, tokenizer, options, block_size, mismatched)
     dataset = as_dataset(dataset)
     fmt = "tokenized" if rows_checked and set(KTO_COLUMNS) <= set(dataset.column_names) else None
     fmt = fmt or (detect_kto_format(dataset) if rows_checked else check_kto_rows(dataset, options))
@@ -160,6 +154,72 @@ def prepare_kto_dataset(dataset, tokenizer, options, block_size: int, mismatched
     if mismatched and "KL_completion_ids" not in dataset.column_names:
         dataset = dataset.map(_add_mismatched, batched=True, batch_size=block_size, num_proc=proc,
                               desc="Mismatched KL completions")
+    return dataset
+
+
+def _row_checks(fmt: str, conversational: bool) -> dict:
+    if fmt == "tokenized":
+        return {"prompt_ids": check_prompt_ids, "completion_ids": check_token_ids, "label": check_label}
+    if conversational:
+        return {"prompt": check_messages, "label": check_label,
+                "completion": lambda row, field, value: check_messages(row, field, value, require_assistant=True)}
+    return {"prompt": check_text, "completion": check_text, "label": check_label}
+
+
+def _prepare_streamed(dataset, tokenizer, options, block_size: int, mismatched: bool):
+    """`prepare_kto_dataset` for an `IterableDataset`: the same rows, mapped lazily."""
+    head = first_rows(dataset)[0]
+    columns = stream_columns(dataset, head)
+    fmt = detect_kto_format([head])
+    if fmt == "paired":
+        from .preference import check_preference_row, detect_preference_format, field_checks
+
+        pair_format = detect_preference_format([head])
+        pair_checks = field_checks(pair_format, False)
+
+        def check(row, index):
+            check_preference_row(index, {f: row.get(f, ABSENT) for f in pair_checks}, pair_format, pair_checks)
+            return {}
+    else:
+        checks = _row_checks(fmt, isinstance(head.get("completion"), (list, tuple)))
+
+        def check(row, index):  # before anything reads the row: a bad one fails naming its index and field
+            for field, fn in checks.items():
+                fn(index, field, row.get(field, ABSENT))
+            return {}
+
+    dataset = dataset.map(check, with_indices=True)
+    if fmt != "tokenized":
+        implicit = "prompt" not in columns
+        if implicit:
+            dataset = dataset.map(extract_prompt)
+        if fmt == "paired":
+            dataset = unpair_preference_dataset(dataset)
+        mode = "joint" if implicit else getattr(options, "prompt_tokenization", "apart")
+        if is_conversational(first_rows(dataset)[0]):  # a look-ahead through the maps so far
+            resolve_chat_template(tokenizer, options.chat_template_path)
+            check_chat_template(tokenizer, "conversational", False, f"{type(options).__name__}.chat_template_path")
+        else:
+            dataset = dataset.map(add_eos, fn_kwargs={"eos": completion_eos(tokenizer, options),
+                                                      "sides": ("completion",)})
+        dataset = dataset.map(tokenize_completions, fn_kwargs={"sides": ("completion",), "tokenizer": tokenizer,
+                                                               "prompt_tokenization": mode})
+        dataset = dataset.remove_columns([BOUNDARY_COLUMN])  # a stream is not counted ahead
+    max_length, policy = options.max_length, getattr(options, "overlong_policy", "truncate")
+    if max_length is not None:
+        def keep(row, index):
+            if policy == "truncate":
+                return len(row["prompt_ids"]) < max_length
+            length = len(row["prompt_ids"]) + len(row["completion_ids"])
+            if length > max_length and policy == "error":
+                raise DataValidationError(index, "completion", f"prompt + completion of at most max_length="
+                                          f"{max_length} tokens (overlong_policy='error')",
+                                          Verbatim(f"{length} tokens"))
+            return length <= max_length
+
+        dataset = dataset.filter(keep, with_indices=True)
+    if mismatched:
+        dataset = dataset.map(_add_mismatched, batched=True, batch_size=block_size)
     return dataset
 
 

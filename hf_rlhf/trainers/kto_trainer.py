@@ -27,6 +27,7 @@ from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 from ..collators.kto import PaddingFreeUnpairedCollator, split_unpaired_batch
 from ..data import main_process_first_if_cached
 from ..data.kto import check_kto_rows, prepare_kto_dataset, weight_balance_warning
+from ..data.streaming import check_streamed_training, is_streamed
 from ..losses.kto import kl_reference_point, kto_loss, uses_kl_reference_point
 from .dpo_trainer import DPOTrainer
 from .kto_config import KTOConfig
@@ -98,9 +99,13 @@ class KTOTrainer(DPOTrainer):
     def _prepare(dataset, tokenizer, args, name, rows_checked):
         if dataset is None:
             return None
+        if name == "train":
+            check_streamed_training(args, dataset)
         with main_process_first_if_cached(args, dataset, f"{name} dataset tokenization"):
             prepared = prepare_kto_dataset(dataset, tokenizer, args, args.per_device_train_batch_size,
                                            uses_kl_reference_point(args.loss_type), rows_checked=rows_checked)
+        if is_streamed(prepared):  # prepared lazily, as it is read
+            return prepared
         logger.info("%s dataset: %d rows", name, len(prepared))
         if name == "train":
             warning = weight_balance_warning(prepared["label"], args.desirable_weight, args.undesirable_weight)

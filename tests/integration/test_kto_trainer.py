@@ -147,3 +147,27 @@ def test_resume_is_exact(tmp_path, tokenizer):
     resumed = run(tmp_path / "b", resume=True)
     print(f"resume: full {full}, resumed {resumed}")
     assert resumed[3] == full[3] and resumed[4] == full[4], (full, resumed)
+
+
+@pytest.mark.parametrize("rows", ["unpaired", "paired"])
+def test_streamed_rows_train_as_in_memory(tmp_path, tokenizer, rows):
+    """A streamed `IterableDataset` (unpaired rows, or pairs split as they stream) is prepared lazily and trains as
+    the same rows in memory; a bad row fails naming its index in the stream."""
+    from datasets import Dataset
+
+    from hf_rlhf.toy import preference_dataset
+
+    data = unpaired_dataset(8, seed=1) if rows == "unpaired" else preference_dataset(8, seed=1)
+    logs = {}
+    for name, dataset in (("memory", data), ("stream", data.to_iterable_dataset())):
+        trainer = KTOTrainer(build_toy_model(tokenizer, "tiny", seed=0), None, args(tmp_path / name), None, dataset,
+                             None, tokenizer)
+        trainer.train()
+        logs[name] = [(h["loss"], h["kl"]) for h in trainer.state.log_history if "loss" in h]
+    assert logs["stream"] == pytest.approx(logs["memory"], abs=1e-6)
+    bad = Dataset.from_list([{"prompt": "1+1=", "completion": "2", "label": True}] * 4 +
+                            [{"prompt": "2+2=", "completion": "4", "label": None}]).to_iterable_dataset()
+    trainer = KTOTrainer(build_toy_model(tokenizer, "tiny", seed=0), None, args(tmp_path / "bad"), None, bad, None,
+                         tokenizer)
+    with pytest.raises(DataValidationError, match=r"row 4.*label"):
+        trainer.train()
