@@ -1,4 +1,4 @@
-"""KTO recipe: Kahneman-Tversky optimisation of a causal LM from completions labelled good or bad (or unpaired APO-zero).
+"""KTO recipe: Kahneman-Tversky optimisation of a causal LM from completions labelled good or bad.
 
     python recipes/kto.py                                  # the embedded toy task, end to end on a CPU
     python recipes/kto.py --config recipes/configs/kto_toy.yaml --max_steps 5

@@ -171,3 +171,22 @@ def test_streamed_rows_train_as_in_memory(tmp_path, tokenizer, rows):
                          tokenizer)
     with pytest.raises(DataValidationError, match=r"row 4.*label"):
         trainer.train()
+
+
+def test_recipe_documented_command(tmp_path, tiny_model_dir):
+    import json
+
+    from recipes import kto as recipe
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = str(tmp_path / "kto")
+    results = recipe.main(["--config", os.path.join(root, "recipes", "configs", "kto_toy.yaml"), "--max_steps", "3",
+                           "--sft_model_path", str(tiny_model_dir), "--output_dir", out, "--toy_train_size", "32",
+                           "--toy_test_size", "16", "--per_device_train_batch_size", "8", "--disable_tqdm", "true"])
+    with open(os.path.join(out, "results.json")) as f:
+        saved = json.load(f)
+    for when in ("before", "after"):
+        assert 0.0 <= saved[when]["exact_match"] <= 1.0 and "rewards/margins" in saved[when]
+    assert saved["before"]["loss"] == pytest.approx(0.5)  # the policy is its own reference before training
+    assert saved["after"] == results["after"]
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
