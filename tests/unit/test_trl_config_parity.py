@@ -1,6 +1,5 @@
 """Every option of trl 1.16's SFTConfig, RewardConfig, DPOConfig and KTOConfig is accepted here (or refused with a
-reason); config values are
-type-checked per field; old option names are errors that name the new option."""
+reason); config values are type-checked per field; old option names are errors that name the new option."""
 
 import dataclasses
 import math
