@@ -190,3 +190,19 @@ def test_recipe_documented_command(tmp_path, tiny_model_dir):
     assert saved["before"]["loss"] == pytest.approx(0.5)  # the policy is its own reference before training
     assert saved["after"] == results["after"]
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
+
+
+def test_evaluate_after_training_uses_the_kept_reference(tmp_path, tokenizer):
+    """Deliberate (as DPO's, docs/trl_compatibility.md): TRL refuses `evaluate(new_rows)` after training with
+    `precompute_ref_log_probs` and no ref_model (it keeps no reference); hf_rlhf keeps the frozen reference, so the
+    new rows' reference log-probs are the reference's, not the trained policy's."""
+    trainer = KTOTrainer(build_toy_model(tokenizer, "tiny", seed=0), None, args(tmp_path, precompute_ref_log_probs=True),
+                         None, unpaired_dataset(8, seed=1), None, tokenizer)
+    rows = unpaired_dataset(2, seed=2)
+    before = trainer.prepare_eval_dataset(rows, "before")["ref_logps"]
+    trainer.train()
+    after = trainer.prepare_eval_dataset(rows, "after")["ref_logps"]
+    assert after == pytest.approx(before, abs=1e-5)
+    chosen = [x for x, label in zip(before, rows["label"]) if label]
+    policy = trainer.evaluate(eval_dataset=rows)["eval_logps/chosen"]
+    assert abs(policy - sum(chosen) / len(chosen)) > 1e-3  # the policy moved; the reference did not

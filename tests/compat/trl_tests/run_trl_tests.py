@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODULES = ["test_sft_trainer.py", "test_reward_trainer.py", "test_dpo_trainer.py", "test_kto_trainer.py"]
 # TRL tests that fail on hf_rlhf on purpose (docs/trl_compatibility.md), each with its own test in
-# tests/integration/test_trl_preparation.py
+# tests/integration/test_trl_preparation.py (KTO's: tests/integration/test_kto_trainer.py)
 DELIBERATE = {
     "test_sft_trainer.py::TestSFTTrainer::test_padding_free_without_packing_and_max_length_raises":
         "padding_free without packing keeps max_length (rows cut when prepared); TRL refuses the pair",
@@ -37,6 +37,9 @@ DELIBERATE = {
     "test_dpo_trainer.py::TestDPOTrainer::test_evaluate_precompute_ref_log_probs_after_training_raises":
         "evaluate(new rows) after training with precompute_ref_log_probs takes the kept reference's log-probs; "
         "TRL keeps no reference and refuses",
+    "test_kto_trainer.py::TestKTOTrainer::test_evaluate_precompute_ref_log_probs_after_training_raises":
+        "as DPO's: evaluate(new rows) after training with precompute_ref_log_probs takes the kept reference's "
+        "log-probs; TRL keeps no reference and refuses",
 }
 HELPERS = ["__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py"]
 REWRITES = {
