@@ -40,20 +40,23 @@ def loss_and_grads(tmp_path, model, **options):
 @pytest.mark.parametrize("option", ["use_logits_to_keep", "chunked_lm_head", "padding_free"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_kto_loss_and_gradients_equal_full_logits(tmp_path, record_property, model_type, option):
-    def policy():
+    def policy(seed):
         model = build(model_type, seed=1)
-        with torch.no_grad():  # the policy away from its reference: z0 > 0
+        with torch.no_grad():  # the policy moved off its reference
             for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + p.numel())) * 0.05)
         return model
 
-    full_loss, full_kl, full_grads = loss_and_grads(tmp_path, policy(), use_logits_to_keep=False,
-                                                    chunked_lm_head=False)
+    for seed in range(8):  # a move whose mismatched log-ratio is positive (z0 is clamped at 0): z0 is compared too
+        full_loss, full_kl, full_grads = loss_and_grads(tmp_path, policy(seed), use_logits_to_keep=False,
+                                                        chunked_lm_head=False)
+        if full_kl > 0:
+            break
     assert full_kl > 0
     options = {"use_logits_to_keep": {"chunked_lm_head": False}, "chunked_lm_head": {"chunked_lm_head": True},
                "padding_free": {"padding_free": True, "chunked_lm_head": False}}[option]
     try:
-        loss, kl, grads = loss_and_grads(tmp_path, policy(), **options)
+        loss, kl, grads = loss_and_grads(tmp_path, policy(seed), **options)
     except (PackingCheckError, HeadSplitError) as err:  # the layout / the head split is refused for this model
         record_property("refusal", str(err))
         return
