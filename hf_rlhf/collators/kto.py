@@ -63,3 +63,25 @@ def split_unpaired_batch(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[st
     matched = {k: v for k, v in batch.items() if not k.startswith("KL_") and k not in skip}
     mismatched = {k[3:]: v for k, v in batch.items() if k.startswith("KL_") and k not in skip}
     return matched, mismatched or None
+
+
+STACKABLE_KEYS = ("input_ids", "attention_mask", "completion_mask")
+
+
+def stack_padded_batches(first: dict[str, Any], second: dict[str, Any], pad_token_id: int) -> dict[str, Any] | None:
+    """Two right-padded batches (the matched and the mismatched sequences) as one (2B, T) batch, the shorter one padded
+    to the longer's width: one reference forward instead of two (under causal attention a real token never sees the
+    padding after it, so its log-prob is unchanged). None when a batch holds other keys (another layout).
+
+    >>> a = {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.tensor([[1, 1, 1]])}
+    >>> b = {"input_ids": torch.tensor([[4, 5]]), "attention_mask": torch.tensor([[1, 1]])}
+    >>> stack_padded_batches(a, b, 0)["input_ids"]
+    tensor([[1, 2, 3],
+            [4, 5, 0]])
+    """
+    if not set(first) <= set(STACKABLE_KEYS) or set(first) != set(second) or "input_ids" not in first:
+        return None
+    width = max(first["input_ids"].shape[1], second["input_ids"].shape[1])
+    return {key: torch.cat([torch.nn.functional.pad(batch[key], (0, width - batch[key].shape[1]),
+                                                    value=pad_token_id if key == "input_ids" else 0)
+                            for batch in (first, second)]) for key in first}

@@ -24,7 +24,7 @@ import logging
 import torch
 from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
-from ..collators.kto import PaddingFreeUnpairedCollator, split_unpaired_batch
+from ..collators.kto import PaddingFreeUnpairedCollator, split_unpaired_batch, stack_padded_batches
 from ..data import main_process_first_if_cached
 from ..data.kto import check_kto_rows, prepare_kto_dataset, weight_balance_warning
 from ..data.streaming import check_streamed_training, is_streamed
@@ -120,42 +120,50 @@ class KTOTrainer(DPOTrainer):
 
     def _batch_ref_logps(self, batch: dict) -> dict:
         matched, mismatched = split_unpaired_batch(batch)
-        out = {"completion": self._reference_stats(self._model_inputs(matched), matched)["logps"]}
-        if self.calculate_kl:
-            out["KL"] = self._reference_stats(self._model_inputs(mismatched), mismatched)["logps"]
-        return out
+        logps, kl_logps = self._reference_logps_of(matched, mismatched if self.calculate_kl else None)
+        return {"completion": logps} if kl_logps is None else {"completion": logps, "KL": kl_logps}
+
+    def _reference_logps_of(self, matched: dict, mismatched: dict | None) -> tuple:
+        """(matched (B,), mismatched (B,) or None) summed reference log-probs; in the padded layout one forward over
+        both (`stack_padded_batches`), else one each."""
+        both = None if mismatched is None else stack_padded_batches(matched, mismatched,
+                                                                    self.processing_class.pad_token_id)
+        if both is not None:
+            n = matched["input_ids"].shape[0]
+            logps = self._reference_stats(self._model_inputs(both), both)["logps"]
+            return logps[:n], logps[n:]
+        logps = self._reference_stats(self._model_inputs(matched), matched)["logps"]
+        if mismatched is None:
+            return logps, None
+        return logps, self._reference_stats(self._model_inputs(mismatched), mismatched)["logps"]
 
     # -- loss and metrics ----------------------------------------------------------------------
-    def _mismatched_logps(self, model, mismatched: dict, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(policy (B,), reference (B,)) summed log-probs of the mismatched completions, without gradients."""
-        model_inputs = self._model_inputs(mismatched)
+    def _policy_mismatched_logps(self, model, mismatched: dict) -> torch.Tensor:
+        """(B,) summed log-probs of the mismatched completions under the policy, without gradients."""
         keep, head = self._keeps_logits["policy"], self.lm_heads["policy"]
-        gather = self._gather_index(mismatched) if keep or head or self._keeps_logits["reference"] else None
         with torch.no_grad():
-            _, stats = self._forward(model, model_inputs, mismatched, keep, gather, head)
-        if "ref_KL_logps" in inputs:
-            return stats["logps"], inputs["ref_KL_logps"]
-        return stats["logps"], self._reference_stats(model_inputs, mismatched, gather)["logps"]
+            _, stats = self._forward(model, self._model_inputs(mismatched), mismatched, keep, None, head)
+        return stats["logps"]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
         mode = "train" if self.model.training else "eval"
         matched, mismatched = split_unpaired_batch(inputs)
+        mismatched = mismatched if self.calculate_kl else None
+        # step 1. the reference's log-probs of both (one forward in the padded layout), or the precomputed ones
+        if "ref_logps" in inputs:
+            ref_logps, ref_kl_logps = inputs["ref_logps"], inputs.get("ref_KL_logps")
+        else:
+            ref_logps, ref_kl_logps = self._reference_logps_of(matched, mismatched)
         kl = None
-        if self.calculate_kl:  # step 1. the reference point z0 from the mismatched pairs, averaged over ranks
-            kl_logps, ref_kl_logps = self._mismatched_logps(model, mismatched, inputs)
-            kl = kl_reference_point(kl_logps, ref_kl_logps, gather=self.accelerator.gather)
-        # step 2. the policy's matched log-probs with gradients (the full logits when the caller reads them)
+        if mismatched is not None:  # step 2. the reference point z0 from the mismatched pairs, averaged over ranks
+            kl = kl_reference_point(self._policy_mismatched_logps(model, mismatched), ref_kl_logps,
+                                    gather=self.accelerator.gather)
+        # step 3. the policy's matched log-probs with gradients (the full logits when the caller reads them), the loss
         model_inputs = self._model_inputs(matched, full_logits=return_outputs)
         keep = self._keeps_logits["policy"] and not return_outputs
         head = None if return_outputs else self.lm_heads["policy"]
-        gather = self._gather_index(matched) if keep or head or self._keeps_logits["reference"] else None
-        outputs, stats = self._forward(model, model_inputs, matched, keep, gather, head)
-        # step 3. the reference's, then the loss
-        if "ref_logps" in inputs:
-            ref_logps = inputs["ref_logps"]
-        else:
-            ref_logps = self._reference_stats(model_inputs, matched, gather)["logps"]
+        outputs, stats = self._forward(model, model_inputs, matched, keep, None, head)
         labels = inputs["label"].bool()
         loss, _, rewards = kto_loss(stats["logps"], ref_logps, labels, kl, beta=args.beta, loss_type=args.loss_type,
                                     desirable_weight=args.desirable_weight,
