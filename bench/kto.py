@@ -1,4 +1,4 @@
-"""KTO training rows/s and peak memory: hf_rlhf `KTOTrainer` (padded, padding-free) vs `trl.KTOTrainer`.
+"""KTO training rows/s and peak memory: hf_rlhf `KTOTrainer` (padded, padding-free, prefix-shared) vs `trl.KTOTrainer`.
 
 One process per run (no DDP), each configuration in its own subprocess, rounds interleaved (A B C A B C ...) so
 that drifts in the load of this shared machine hit every configuration alike (`bench/harness.py`, as bench/dpo.py).
@@ -15,6 +15,9 @@ gradients.
                     chunks of completion tokens (`chunked_lm_head`, the default above a 4,096-token vocabulary).
     padding_free    hf_rlhf `padding_free=True`: the B sequences end to end in one row, the B mismatched ones in
                     another, no padding.
+    prefix_sharing  hf_rlhf `prefix_sharing=True`: one row per row of data, [prompt | completion | mismatched
+                    completion]; one policy forward (the mismatched log-probs detached) and one reference forward,
+                    each prompt computed once.
     trl             `trl.KTOTrainer` with the same settings (bf16 and gradient checkpointing off).
 
 rows/s (printed as "pairs/s" by the shared harness: one row is one labelled completion) = rows trained on / wall
@@ -32,14 +35,14 @@ import sys
 
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
-DEFAULT_CONFIGS = ("padded", "padding_free", "trl")
+DEFAULT_CONFIGS = ("padded", "padding_free", "prefix_sharing", "trl")
 REFERENCE = "trl"
 # "pairs": unpaired rows here (the shared harness's name for the unit of work)
 PRESETS = {
     "full": dict(pairs=1024, batch_size=32, epochs=1, size="small", max_length=64),
     "quick": dict(pairs=128, batch_size=16, epochs=1, size="tiny", max_length=64),
 }
-HF_LAYOUTS = {"padded": {}, "padding_free": {"padding_free": True}}
+HF_LAYOUTS = {"padded": {}, "padding_free": {"padding_free": True}, "prefix_sharing": {"prefix_sharing": True}}
 
 
 # ----------------------------------------------------------------------------------------------- worker side

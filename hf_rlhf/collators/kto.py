@@ -1,7 +1,13 @@
-"""KTO batches without padding: the B prompt + completion sequences end to end in one row, and the B prompt +
-mismatched (KL) completion sequences in another, each laid out by `collators.dpo.PaddingFreePreferenceCollator`
-(`position_ids` restarting at 0 per sequence, the completion tokens read through a gather). The padded layout is
-trl's own `DataCollatorForUnpairedPreference`; both give the same log-probs.
+"""KTO batches laid out without TRL's padded rows; the same log-probs, read through a gather.
+
+- Padding-free (`PaddingFreeUnpairedCollator`): the B prompt + completion sequences end to end in one row, and the B
+  prompt + mismatched (KL) completion sequences in another, each laid out by
+  `collators.dpo.PaddingFreePreferenceCollator` (`position_ids` restarting at 0 per sequence).
+- Prefix sharing (`PrefixSharedUnpairedCollator`): one row per row of data, [prompt | completion | mismatched
+  completion], the prompt computed once for both sequences (`collators.dpo.PrefixSharedPreferenceCollator`'s 4D mask:
+  the mismatched completion attends to the prompt and itself, positions continuing from the prompt).
+
+The padded layout is trl's own `DataCollatorForUnpairedPreference`.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .dpo import PaddingFreePreferenceCollator
+from .dpo import PaddingFreePreferenceCollator, PrefixSharedPreferenceCollator
 
 
 class PaddingFreeUnpairedCollator:
@@ -43,6 +49,33 @@ class PaddingFreeUnpairedCollator:
         batch = self.matched(features)
         if "KL_completion_ids" in features[0]:
             batch.update({f"KL_{k}": v for k, v in self.mismatched(features).items()})
+        for key in ("ref_logps", "ref_KL_logps"):
+            if key in features[0]:
+                batch[key] = torch.tensor([float(f[key]) for f in features])
+        batch["label"] = torch.tensor([bool(f["label"]) for f in features])
+        return batch
+
+
+class PrefixSharedUnpairedCollator:
+    """Collate tokenized KTO rows with their mismatched completions (`prompt_ids`, `completion_ids`,
+    `KL_completion_ids`, `label`, optionally `ref_logps`, `ref_KL_logps`) into prefix-shared rows [prompt | completion
+    | mismatched completion] (keep-start truncation of each prompt + completion at `max_length`, as TRL's).
+
+    Returns (from `__call__`): `PrefixSharedPreferenceCollator`'s batch for 2B sequences (the B matched ones, then the
+    B mismatched ones), `label` (B,) bool, and `ref_logps` / `ref_KL_logps` (B,) when the rows have them.
+
+    >>> batch = PrefixSharedUnpairedCollator(0)([{"prompt_ids": [1, 2], "completion_ids": [3, 4], "label": True,
+    ...                                           "KL_completion_ids": [5]}])
+    >>> batch["input_ids"], batch["logit_index"], batch["label"]  # doctest: +NORMALIZE_WHITESPACE
+    (tensor([[1, 2, 3, 4, 5]]), tensor([[1, 2], [1, 0]]), tensor([True]))
+    """
+
+    def __init__(self, pad_token_id: int | None, max_length: int | None = None, pad_to_multiple_of: int | None = None):
+        self.shared = PrefixSharedPreferenceCollator(pad_token_id, max_length, pad_to_multiple_of)
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.shared([{"prompt_ids": f["prompt_ids"], "chosen_ids": f["completion_ids"],
+                              "rejected_ids": f["KL_completion_ids"]} for f in features])
         for key in ("ref_logps", "ref_KL_logps"):
             if key in features[0]:
                 batch[key] = torch.tensor([float(f[key]) for f in features])

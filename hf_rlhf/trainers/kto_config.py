@@ -31,8 +31,10 @@ class KTOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         neighbour's in a block of `per_device_train_batch_size` rows, so the `kto` loss refuses any other sampler
         and a per-device batch of one (the KL term would be the reward itself). Batches are TRL's padded rows
         (`DataCollatorForUnpairedPreference`); with `padding_free` the B sequences end to end in one row, the B
-        mismatched ones in another (`collators.kto`), the same log-probs; `packing_check` refuses a model on which
-        that is not exact.
+        mismatched ones in another; with `prefix_sharing` (the `kto` loss; sdpa or eager attention) one row per row
+        of data, [prompt | completion | mismatched completion], the prompt computed once for the policy and the
+        reference, the mismatched log-probs read off the same forward without their gradient (`collators.kto`). Both
+        give the padded layout's log-probs; `packing_check` refuses a model on which the layout is not exact.
     Forward: `use_logits_to_keep`, `chunked_lm_head` as `DPOConfig`'s (logits only at completion positions; the LM
         head over chunks of completion tokens for a vocabulary over 4,096).
     Reference: a frozen copy, a peft policy's base with adapters off, or `precompute_ref_log_probs` (computed once,
@@ -40,8 +42,7 @@ class KTOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
     Loss: `loss_type` (`kto`, `apo_zero_unpaired`), `beta`, `desirable_weight`, `undesirable_weight`.
     MoE: `router_aux_loss_coef` (None: the model config's; 0 turns it off). TR-DPO: `sync_ref_model`,
         `ref_model_mixup_alpha`, `ref_model_sync_steps` (a separate reference model, no precomputation).
-    Refused with the reason: `activation_offloading` without CUDA; `prefix_sharing` (DPO's layout; not built for
-        KTO, see docs/kto.md).
+    Refused with the reason: `activation_offloading` without CUDA; `prefix_sharing` with `apo_zero_unpaired`.
     """
 
     learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
@@ -58,7 +59,9 @@ class KTOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
     padding_free: bool = field(
         default=False, metadata={"help": "The batch's B sequences end to end in one row, no padding (and the B "
                                          "mismatched ones in another)."})
-    prefix_sharing: bool = field(default=False, metadata={"help": "DPO's layout; not available for KTO."})
+    prefix_sharing: bool = field(
+        default=False, metadata={"help": "One row per row of data [prompt | completion | mismatched completion], the "
+                                         "prompt computed once (sdpa/eager; the kto loss)."})
     packing_check: bool = field(
         default=True, metadata={"help": "Check that padding_free is exact on the model before training."})
     pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": PAD_TO_MULTIPLE_OF_HELP})
@@ -93,10 +96,12 @@ class KTOConfig(DataOptions, TrainerModelOptions, NonFiniteOptions, DeviceDefaul
         for name in ("desirable_weight", "undesirable_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"KTOConfig.{name} must be >= 0, got {getattr(self, name)}.")
-        if self.prefix_sharing:
-            raise ValueError("KTOConfig.prefix_sharing=True is DPO's layout (two completions of one prompt in one "
-                             "row); KTO's matched and mismatched sequences go through separate forwards (the "
-                             "mismatched ones without gradients), so it is not built for KTO. Use padding_free.")
+        if self.prefix_sharing and self.padding_free:
+            raise ValueError("KTOConfig: padding_free and prefix_sharing are different layouts; choose one.")
+        if self.prefix_sharing and self.loss_type != "kto":
+            raise ValueError(f"KTOConfig.prefix_sharing=True shares each prompt between its completion and its "
+                             f"mismatched (KL) completion; loss_type {self.loss_type!r} has no mismatched completion. "
+                             "Use the padded layout or padding_free.")
         if self.loss_type == "kto" and self.train_sampling_strategy != "sequential":
             raise ValueError(f"KTOConfig: loss_type 'kto' estimates the KL term from each row's neighbour in a "
                              f"fixed-order batch, so it needs train_sampling_strategy='sequential' (as TRL), got "

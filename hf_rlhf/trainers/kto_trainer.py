@@ -24,7 +24,12 @@ import logging
 import torch
 from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
-from ..collators.kto import PaddingFreeUnpairedCollator, split_unpaired_batch, stack_padded_batches
+from ..collators.kto import (
+    PaddingFreeUnpairedCollator,
+    PrefixSharedUnpairedCollator,
+    split_unpaired_batch,
+    stack_padded_batches,
+)
 from ..data import main_process_first_if_cached
 from ..data.kto import check_kto_rows, prepare_kto_dataset, weight_balance_warning
 from ..data.streaming import check_streamed_training, is_streamed
@@ -92,6 +97,8 @@ class KTOTrainer(DPOTrainer):
         if args.padding_free:
             return PaddingFreeUnpairedCollator(pad_token_id, args.max_length, args.pad_to_multiple_of,
                                                return_flash_attention_kwargs=str(attn).startswith("flash_attention"))
+        if args.prefix_sharing:
+            return PrefixSharedUnpairedCollator(pad_token_id, args.max_length, args.pad_to_multiple_of)
         return DataCollatorForUnpairedPreference(pad_token_id=pad_token_id, max_length=args.max_length,
                                                  pad_to_multiple_of=args.pad_to_multiple_of)
 
@@ -120,6 +127,10 @@ class KTOTrainer(DPOTrainer):
 
     def _batch_ref_logps(self, batch: dict) -> dict:
         matched, mismatched = split_unpaired_batch(batch)
+        if self.args.prefix_sharing:  # one row per row of data: the matched sequences, then the mismatched ones
+            logps = self._reference_stats(self._model_inputs(matched), matched)["logps"]
+            n = batch["label"].shape[0]
+            return {"completion": logps[:n], "KL": logps[n:]}
         logps, kl_logps = self._reference_logps_of(matched, mismatched if self.calculate_kl else None)
         return {"completion": logps} if kl_logps is None else {"completion": logps, "KL": kl_logps}
 
@@ -145,25 +156,50 @@ class KTOTrainer(DPOTrainer):
             _, stats = self._forward(model, self._model_inputs(mismatched), mismatched, keep, None, head)
         return stats["logps"]
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        args = self.args
-        mode = "train" if self.model.training else "eval"
+    def _separate_forwards(self, model, inputs: dict, return_outputs: bool) -> tuple:
+        """Padded and padding-free layouts: (outputs, matched stats, policy mismatched logps or None, reference
+        logps, reference mismatched logps or None); the mismatched sequences in a forward of their own without
+        gradients (TRL's order of work), the reference over both in one forward where they stack."""
         matched, mismatched = split_unpaired_batch(inputs)
         mismatched = mismatched if self.calculate_kl else None
-        # step 1. the reference's log-probs of both (one forward in the padded layout), or the precomputed ones
         if "ref_logps" in inputs:
             ref_logps, ref_kl_logps = inputs["ref_logps"], inputs.get("ref_KL_logps")
         else:
             ref_logps, ref_kl_logps = self._reference_logps_of(matched, mismatched)
-        kl = None
-        if mismatched is not None:  # step 2. the reference point z0 from the mismatched pairs, averaged over ranks
-            kl = kl_reference_point(self._policy_mismatched_logps(model, mismatched), ref_kl_logps,
-                                    gather=self.accelerator.gather)
-        # step 3. the policy's matched log-probs with gradients (the full logits when the caller reads them), the loss
+        kl_logps = None if mismatched is None else self._policy_mismatched_logps(model, mismatched)
+        # the policy's matched log-probs with gradients (the full logits when the caller reads them)
         model_inputs = self._model_inputs(matched, full_logits=return_outputs)
         keep = self._keeps_logits["policy"] and not return_outputs
         head = None if return_outputs else self.lm_heads["policy"]
         outputs, stats = self._forward(model, model_inputs, matched, keep, None, head)
+        return outputs, stats, kl_logps, ref_logps, ref_kl_logps
+
+    def _shared_forwards(self, model, inputs: dict, return_outputs: bool) -> tuple:
+        """`prefix_sharing`: the same, from one policy forward and one reference forward over [prompt | completion |
+        mismatched completion] rows; the mismatched log-probs are detached (no gradient flows from them, as TRL's
+        no-grad forward), the prompt is computed once."""
+        shared, _ = split_unpaired_batch(inputs)
+        n = inputs["label"].shape[0]
+        model_inputs = self._model_inputs(shared, full_logits=return_outputs)
+        keep = self._keeps_logits["policy"] and not return_outputs
+        head = None if return_outputs else self.lm_heads["policy"]
+        outputs, both = self._forward(model, model_inputs, shared, keep, None, head)
+        stats = {key: value[:n] for key, value in both.items()}
+        if "ref_logps" in inputs:
+            ref_logps, ref_kl_logps = inputs["ref_logps"], inputs["ref_KL_logps"]
+        else:
+            ref = self._reference_stats(model_inputs, shared)["logps"]
+            ref_logps, ref_kl_logps = ref[:n], ref[n:]
+        return outputs, stats, both["logps"][n:].detach(), ref_logps, ref_kl_logps
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        forwards = self._shared_forwards if args.prefix_sharing else self._separate_forwards
+        outputs, stats, kl_logps, ref_logps, ref_kl_logps = forwards(model, inputs, return_outputs)
+        kl = None  # the reference point z0 from the mismatched pairs, averaged over ranks
+        if kl_logps is not None:
+            kl = kl_reference_point(kl_logps, ref_kl_logps, gather=self.accelerator.gather)
         labels = inputs["label"].bool()
         loss, _, rewards = kto_loss(stats["logps"], ref_logps, labels, kl, beta=args.beta, loss_type=args.loss_type,
                                     desirable_weight=args.desirable_weight,
@@ -171,17 +207,19 @@ class KTOTrainer(DPOTrainer):
         if self.aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss  # TRL's: the MoE load-balancing loss
             self.metrics[mode].add("aux_loss", outputs.aux_loss.detach().float(), 1)
-        self._add_kto_metrics(mode, stats, rewards, labels, kl, matched)
+        self._add_kto_metrics(mode, stats, rewards, labels, kl, inputs)
         return (loss, outputs) if return_outputs else loss
 
-    def _add_kto_metrics(self, mode, stats, rewards, labels, kl, matched) -> None:
+    def _add_kto_metrics(self, mode, stats, rewards, labels, kl, inputs) -> None:
         """TRL 1.16's KTO metrics of one batch (kto_trainer.py:1462-1522), as (sum, count) pairs."""
         metrics = self.metrics[mode]
         mask = stats["mask"]
         metrics.add("kl", kl if kl is not None else torch.zeros((), device=mask.device), 1)  # TRL logs 0 without
         metrics.add("entropy", (stats["entropy"] * mask).sum(), mask.sum())
         if mode == "train":
-            lengths = matched["sequence_lengths"] if "sequence_lengths" in matched else matched["attention_mask"]
+            # the matched sequences' real tokens (TRL's: their attention mask), in every layout
+            lengths = inputs["sequence_lengths"][: labels.shape[0]] if "sequence_lengths" in inputs else \
+                inputs["attention_mask"]
             metrics.add("num_tokens", lengths.sum(), 0)
         logps = stats["logps"].detach()
         for name, rows in (("chosen", labels), ("rejected", ~labels)):

@@ -22,8 +22,9 @@ def test_kto_bench_quick(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=root, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(output.read_text())
-    assert set(results["summary"]) == {"padded", "padding_free", "trl"}
+    assert set(results["summary"]) == {"padded", "padding_free", "prefix_sharing", "trl"}
     runs = {run["config"]: run for run in results["runs"]}
     assert len({(run["real_tokens"], run["pairs"]) for run in runs.values()}) == 1  # the same work
     assert runs["padded"]["train_loss"] == pytest.approx(runs["trl"]["train_loss"], abs=1e-5)  # the same loss
     assert runs["padding_free"]["positions_per_pair"] < runs["padded"]["positions_per_pair"]  # no padding
+    assert runs["prefix_sharing"]["train_loss"] == pytest.approx(runs["trl"]["train_loss"], abs=1e-5)

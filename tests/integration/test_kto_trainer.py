@@ -53,7 +53,8 @@ def test_options_refused_with_the_reason(tmp_path, tokenizer):
         KTOTrainer(build_toy_model(tokenizer, "tiny"), args=args(tmp_path), beta=0.1)
     for bad, message in (({"train_sampling_strategy": "random"}, "train_sampling_strategy='sequential'"),
                          ({"per_device_train_batch_size": 1}, "per_device_train_batch_size > 1"),
-                         ({"prefix_sharing": True}, "prefix_sharing=True is DPO's layout"),
+                         ({"prefix_sharing": True, "loss_type": "apo_zero_unpaired"}, "no mismatched completion"),
+                         ({"prefix_sharing": True, "padding_free": True}, "different layouts"),
                          ({"loss_type": "sigmoid"}, "loss_type='sigmoid'; expected one of"),
                          ({"beta": 0.0}, "beta must be > 0"),
                          ({"sync_ref_model": True, "precompute_ref_log_probs": True}, "stale")):
@@ -105,21 +106,25 @@ def test_precomputed_reference_is_stored_and_reused(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
-def test_padding_free_and_chunked_head_train_as_padded(tmp_path, tokenizer, loss_type):
-    """padding_free and the chunked LM head give the padded layout's losses and metrics over 3 steps and an
-    evaluation (within 1e-5), with the reference computed live and precomputed."""
+def test_layouts_and_chunked_head_train_as_padded(tmp_path, tokenizer, loss_type):
+    """padding_free, prefix_sharing (the kto loss) and the chunked LM head give the padded layout's losses and metrics
+    over 3 steps and an evaluation (within 1e-5), with the reference computed live and precomputed."""
     rows, held_out = unpaired_dataset(8, seed=1), unpaired_dataset(4, seed=2)
     logs = {}
     for name, extra in (("padded", {}), ("padding_free", {"padding_free": True}),
                         ("chunked", {"chunked_lm_head": True}),
-                        ("padding_free_precomputed", {"padding_free": True, "precompute_ref_log_probs": True})):
+                        ("padding_free_precomputed", {"padding_free": True, "precompute_ref_log_probs": True}),
+                        *((("prefix_sharing", {"prefix_sharing": True}),
+                           ("prefix_sharing_precomputed", {"prefix_sharing": True, "precompute_ref_log_probs": True}),
+                           ("prefix_sharing_chunked", {"prefix_sharing": True, "chunked_lm_head": True}))
+                          if loss_type == "kto" else ())):
         config = args(tmp_path / name, eval_strategy="steps", eval_steps=3, loss_type=loss_type, **extra)
         trainer = KTOTrainer(build_toy_model(tokenizer, "tiny", seed=0), None, config, None, rows, held_out, tokenizer)
         if name == "chunked":
             assert trainer.lm_heads["policy"] is not None
         trainer.train()
         logs[name] = logs_of(trainer)
-    for name in ("padding_free", "chunked", "padding_free_precomputed"):
+    for name in [n for n in logs if n != "padded"]:
         assert len(logs[name]) == len(logs["padded"]) == 5
         for ours, padded in zip(logs[name], logs["padded"]):
             assert ours.keys() == padded.keys()

@@ -1,8 +1,8 @@
 """KTO on every architecture: one batch's loss and gradients are the same with the logits computed everywhere (as
 trl 1.16 on CPU), only where a completion token is predicted (`use_logits_to_keep`, the default), from the LM head a
-chunk of tokens at a time (`chunked_lm_head=True`) and in the padding-free layout, within 1e-5, or the trainer refuses
-the option when it is built (the padding-free self-check, a head that does not split off). The KL reference point
-z0 (> 0: the policy is moved off its reference) is the same in each.
+chunk of tokens at a time (`chunked_lm_head=True`), in the padding-free and in the prefix-shared layouts, within
+1e-5, or the trainer refuses the option when it is built (the layouts' self-check, a head that does not split off).
+The KL reference point z0 (> 0: the policy is moved off its reference) is the same in each.
 """
 
 import pytest
@@ -37,7 +37,7 @@ def loss_and_grads(tmp_path, model, **options):
     return loss.detach(), totals["kl"][0], grads
 
 
-@pytest.mark.parametrize("option", ["use_logits_to_keep", "chunked_lm_head", "padding_free"])
+@pytest.mark.parametrize("option", ["use_logits_to_keep", "chunked_lm_head", "padding_free", "prefix_sharing"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_kto_loss_and_gradients_equal_full_logits(tmp_path, record_property, model_type, option):
     def policy(seed):
@@ -54,7 +54,8 @@ def test_kto_loss_and_gradients_equal_full_logits(tmp_path, record_property, mod
             break
     assert full_kl > 0
     options = {"use_logits_to_keep": {"chunked_lm_head": False}, "chunked_lm_head": {"chunked_lm_head": True},
-               "padding_free": {"padding_free": True, "chunked_lm_head": False}}[option]
+               "padding_free": {"padding_free": True, "chunked_lm_head": False},
+               "prefix_sharing": {"prefix_sharing": True, "chunked_lm_head": False}}[option]
     try:
         loss, kl, grads = loss_and_grads(tmp_path, policy(seed), **options)
     except (PackingCheckError, HeadSplitError) as err:  # the layout / the head split is refused for this model
