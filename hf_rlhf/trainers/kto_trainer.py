@@ -181,15 +181,15 @@ class KTOTrainer(DPOTrainer):
         shared, _ = split_unpaired_batch(inputs)
         n = inputs["label"].shape[0]
         model_inputs = self._model_inputs(shared, full_logits=return_outputs)
+        if "ref_logps" in inputs:
+            ref_logps, ref_kl_logps = inputs["ref_logps"], inputs["ref_KL_logps"]
+        else:  # before the policy's forward: its peak memory is not added to the policy's saved activations
+            ref = self._reference_stats(model_inputs, shared)["logps"]
+            ref_logps, ref_kl_logps = ref[:n], ref[n:]
         keep = self._keeps_logits["policy"] and not return_outputs
         head = None if return_outputs else self.lm_heads["policy"]
         outputs, both = self._forward(model, model_inputs, shared, keep, None, head)
         stats = {key: value[:n] for key, value in both.items()}
-        if "ref_logps" in inputs:
-            ref_logps, ref_kl_logps = inputs["ref_logps"], inputs["ref_KL_logps"]
-        else:
-            ref = self._reference_stats(model_inputs, shared)["logps"]
-            ref_logps, ref_kl_logps = ref[:n], ref[n:]
         return outputs, stats, both["logps"][n:].detach(), ref_logps, ref_kl_logps
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
