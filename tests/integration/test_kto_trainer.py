@@ -201,8 +201,9 @@ def test_evaluate_after_training_uses_the_kept_reference(tmp_path, tokenizer):
     """Deliberate (as DPO's, docs/trl_compatibility.md): TRL refuses `evaluate(new_rows)` after training with
     `precompute_ref_log_probs` and no ref_model (it keeps no reference); hf_rlhf keeps the frozen reference, so the
     new rows' reference log-probs are the reference's, not the trained policy's."""
-    trainer = KTOTrainer(build_toy_model(tokenizer, "tiny", seed=0), None, args(tmp_path, precompute_ref_log_probs=True),
-                         None, unpaired_dataset(8, seed=1), None, tokenizer)
+    config = args(tmp_path, precompute_ref_log_probs=True)
+    trainer = KTOTrainer(build_toy_model(tokenizer, "tiny", seed=0), None, config, None, unpaired_dataset(8, seed=1),
+                         None, tokenizer)
     rows = unpaired_dataset(2, seed=2)
     before = trainer.prepare_eval_dataset(rows, "before")["ref_logps"]
     trainer.train()
