@@ -18,6 +18,8 @@ _LAZY = {
     "FixedKLController": "hf_rlhf.rl.kl",
     "GRPOConfig": "hf_rlhf.trainers.grpo_config",
     "GRPOTrainer": "hf_rlhf.trainers.grpo_trainer",
+    "KTOConfig": "hf_rlhf.trainers.kto_config",
+    "KTOTrainer": "hf_rlhf.trainers.kto_trainer",
     "ModelConfig": "hf_rlhf.trainers.model_config",
     "PPOConfig": "hf_rlhf.trainers.ppo_config",
     "PPOTrainer": "hf_rlhf.trainers.ppo_trainer",
@@ -37,6 +39,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .trainers.dpo_trainer import DPOTrainer
     from .trainers.grpo_config import GRPOConfig
     from .trainers.grpo_trainer import GRPOTrainer
+    from .trainers.kto_config import KTOConfig
+    from .trainers.kto_trainer import KTOTrainer
     from .trainers.model_config import ModelConfig
     from .trainers.ppo_config import PPOConfig
     from .trainers.ppo_trainer import PPOTrainer

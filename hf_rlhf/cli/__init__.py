@@ -1,7 +1,7 @@
 """The command line: the `hf-rlhf` command, and what the recipes (`recipes/*.py`) share, one module per job.
 
 The command:
-- `main`: `hf-rlhf <command>` (chain, sft, reward, ppo, dpo, merge, env); `python -m hf_rlhf.cli` is the same
+- `main`: `hf-rlhf <command>` (chain, sft, reward, ppo, dpo, kto, merge, env); `python -m hf_rlhf.cli` is the same
 - `launch`: a training command's hand-over to `accelerate launch`, as `trl <command>` does it
 - `recipes`: where the recipes are (the checkout's `recipes/`, or `hf_rlhf.recipes` in a wheel)
 - `environment`: `hf-rlhf env`

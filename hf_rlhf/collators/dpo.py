@@ -111,6 +111,8 @@ class PaddingFreePreferenceCollator:
         max_length: longest prompt + completion of either side (keep the start); None: no limit.
         pad_to_multiple_of: round N up to a multiple of this.
         return_flash_attention_kwargs: also return `cu_seq_lens_q/k`, `max_length_q/k` (flash attention).
+        sides: the completion columns laid out, each side's B sequences after the previous side's (KTO lays out
+            `("completion_ids",)` alone, `collators.kto`).
 
     Returns (from `__call__`), for B pairs:
         `input_ids` (1, N), `position_ids` (1, N) [+ flash kwargs]; `row_index` (2B,) zeros, `logit_index` (2B, L),
@@ -124,16 +126,17 @@ class PaddingFreePreferenceCollator:
     """
 
     def __init__(self, pad_token_id: int | None, max_length: int | None = None, pad_to_multiple_of: int | None = None,
-                 return_flash_attention_kwargs: bool = False):
+                 return_flash_attention_kwargs: bool = False, sides: tuple[str, ...] = ("chosen_ids", "rejected_ids")):
         self.packer = PackingCollator(completion_only_loss=False, pad_to_multiple_of=pad_to_multiple_of,
                                       pad_token_id=check_pad_token_id(pad_token_id),
                                       return_flash_attention_kwargs=return_flash_attention_kwargs)
         self.max_length = max_length
+        self.sides = sides
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         sequences, index, target = [], [], []
         start = 0
-        for side in ("chosen_ids", "rejected_ids"):
+        for side in self.sides:
             for f in features:
                 prompt, completion = _keep_start(as_list(f["prompt_ids"]), as_list(f[side]), self.max_length)
                 n = len(prompt)

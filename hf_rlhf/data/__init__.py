@@ -8,6 +8,7 @@
     sft.py           SFT formats and `prepare_sft_dataset`
     preference.py    preference-pair formats and `prepare_preference_dataset`
     dpo.py           DPO pairs tokenized as TRL's `DPOTrainer` does (`prepare_dpo_dataset`)
+    kto.py           KTO's unpaired rows (or pairs split), tokenized with their mismatched completions
     streaming.py     streamed (`IterableDataset`) data: first-row look-ahead, lazy validation and over-long policy
     raw_files.py     .json / .jsonl files read as written before `datasets` loads them (file errors with the line)
 

@@ -67,7 +67,7 @@ def _tokenize(tokenizer, value, **template_kwargs) -> list[int]:
     return list(tokenizer(text=value)["input_ids"])
 
 
-def _eos_token(tokenizer, options) -> str:
+def completion_eos(tokenizer, options) -> str:
     eos = options.eos_token or tokenizer.eos_token
     if eos is None:
         raise DataValidationError(None, "eos_token", "an end-of-sequence token (the tokenizer has none; set "
@@ -75,42 +75,48 @@ def _eos_token(tokenizer, options) -> str:
     return eos
 
 
-def add_eos(row: dict, eos: str) -> dict:
-    """A plain-text pair's completions, each ending in `eos` (added where missing, as TRL)."""
-    return {side: row[side] if row[side].endswith(eos) else row[side] + eos for side in ("chosen", "rejected")}
+def add_eos(row: dict, eos: str, sides: tuple[str, ...] = ("chosen", "rejected")) -> dict:
+    """A plain-text row's completions (`sides`), each ending in `eos` (added where missing, as TRL)."""
+    return {side: row[side] if row[side].endswith(eos) else row[side] + eos for side in sides}
 
 
-def tokenize_dpo_row(row: dict, tokenizer, prompt_tokenization: str = "apart") -> dict:
-    """One row with an explicit prompt: {"prompt_ids", "chosen_ids", "rejected_ids", "_boundary"} where chosen /
-    rejected hold the completion tokens only and `_boundary` tells whether the setting changed the row.
+def tokenize_completions(row: dict, sides: tuple[str, ...], tokenizer, prompt_tokenization: str = "apart") -> dict:
+    """One row with an explicit prompt and completions `sides`: {"prompt_ids", "<side>_ids" for each side,
+    "_boundary"}, each side's ids its completion tokens only, `_boundary` whether the setting changed the row.
 
-    `joint` is TRL's (dpo_trainer.py:1075-1126): prompt and prompt + completion tokenized on their own, the prompt
-    cut to where either side's tokens diverge from it. `apart` (default) differs only where tokens merge across the
-    boundary of plain text (a prompt ending in a space): the prompt keeps its own tokens, as at inference, and that
-    side's completion is tokenized on its own. Conversations are rendered by the chat template either way (TRL's).
+    `joint` is TRL's (dpo_trainer.py:1075-1126, kto_trainer.py:1087-1128): prompt and prompt + completion tokenized
+    on their own, the prompt cut to where any side's tokens diverge from it. `apart` (default) differs only where
+    tokens merge across the boundary of plain text (a prompt ending in a space): the prompt keeps its own tokens, as at
+    inference, and that side's completion is tokenized on its own. Conversations are rendered by the chat template
+    either way (TRL's).
     """
     tools = row.get("tools")
     tools = json.loads(tools) if isinstance(tools, str) else tools
     kwargs = {"tools": tools, **(row.get("chat_template_kwargs") or {})}
     if is_conversational(row):
         prompt = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)
-        chosen = _tokenize(tokenizer, row["prompt"] + row["chosen"], **kwargs)
-        rejected = _tokenize(tokenizer, row["prompt"] + row["rejected"], **kwargs)
+        full = {side: _tokenize(tokenizer, row["prompt"] + row[side], **kwargs) for side in sides}
     else:
         prompt = _tokenize(tokenizer, row["prompt"])
-        chosen = _tokenize(tokenizer, row["prompt"] + row["chosen"])
-        rejected = _tokenize(tokenizer, row["prompt"] + row["rejected"])
-    n = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
+        full = {side: _tokenize(tokenizer, row["prompt"] + row[side]) for side in sides}
+    n = min(common_prefix_length(prompt, ids) for ids in full.values())
     merged = n < len(prompt) and not is_conversational(row)  # a conversation is tokenized the same either way
     if merged and prompt_tokenization == "apart":
-        def completion(side, full):
-            if full[: len(prompt)] == prompt:
-                return full[len(prompt):]
+        def completion(side, ids):
+            if ids[: len(prompt)] == prompt:
+                return ids[len(prompt):]
             return list(tokenizer(text=row[side], add_special_tokens=False)["input_ids"])
 
-        return {"prompt_ids": prompt, "chosen_ids": completion("chosen", chosen),
-                "rejected_ids": completion("rejected", rejected), BOUNDARY_COLUMN: True}
-    return {"prompt_ids": prompt[:n], "chosen_ids": chosen[n:], "rejected_ids": rejected[n:], BOUNDARY_COLUMN: merged}
+        return {"prompt_ids": prompt, **{f"{side}_ids": completion(side, ids) for side, ids in full.items()},
+                BOUNDARY_COLUMN: True}
+    return {"prompt_ids": prompt[:n], **{f"{side}_ids": ids[n:] for side, ids in full.items()},
+            BOUNDARY_COLUMN: merged}
+
+
+def tokenize_dpo_row(row: dict, tokenizer, prompt_tokenization: str = "apart") -> dict:
+    """One pair with an explicit prompt: {"prompt_ids", "chosen_ids", "rejected_ids", "_boundary"}
+    (`tokenize_completions` of both sides)."""
+    return tokenize_completions(row, ("chosen", "rejected"), tokenizer, prompt_tokenization)
 
 
 def prepare_dpo_dataset(dataset, tokenizer, options, rows_checked: bool = False) -> Dataset:
@@ -144,7 +150,7 @@ def prepare_dpo_dataset(dataset, tokenizer, options, rows_checked: bool = False)
         resolve_chat_template(tokenizer, options.chat_template_path)
         check_chat_template(tokenizer, "conversational", False, "DPOConfig.chat_template_path")
     else:
-        dataset = dataset.map(add_eos, fn_kwargs={"eos": _eos_token(tokenizer, options)},
+        dataset = dataset.map(add_eos, fn_kwargs={"eos": completion_eos(tokenizer, options)},
                               num_proc=options.dataset_num_proc, desc="Adding eos")
     dataset = dataset.map(tokenize_dpo_row, fn_kwargs={"tokenizer": tokenizer, "prompt_tokenization": mode},
                           num_proc=options.dataset_num_proc, desc="Tokenizing DPO pairs")
@@ -190,7 +196,7 @@ def _prepare_streamed(dataset, tokenizer, options):
         resolve_chat_template(tokenizer, options.chat_template_path)
         check_chat_template(tokenizer, "conversational", False, "DPOConfig.chat_template_path")
     else:
-        dataset = dataset.map(add_eos, fn_kwargs={"eos": _eos_token(tokenizer, options)})
+        dataset = dataset.map(add_eos, fn_kwargs={"eos": completion_eos(tokenizer, options)})
     mode = "joint" if implicit else getattr(options, "prompt_tokenization", "apart")
     dataset = dataset.map(tokenize_dpo_row, fn_kwargs={"tokenizer": tokenizer, "prompt_tokenization": mode})
     dataset = dataset.remove_columns([BOUNDARY_COLUMN])  # a stream is not counted ahead

@@ -11,6 +11,7 @@ from .tasks import (
     prompt_dataset,
     reward_fn,
     sft_dataset,
+    unpaired_dataset,
 )
 from .tokenizer import build_toy_tokenizer, build_toy_tool_tokenizer
 from .tool_task import tool_exact_match, tool_prompt_dataset, tool_reward, tool_sft_dataset
@@ -33,4 +34,5 @@ __all__ = [
     "tool_reward",
     "tool_sft_dataset",
     "toy_model_config",
+    "unpaired_dataset",
 ]

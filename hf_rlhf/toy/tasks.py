@@ -327,6 +327,21 @@ def preference_dataset(n: int, seed: int = 0, split: str = "train", conversation
     )
 
 
+def unpaired_dataset(n: int, seed: int = 0, split: str = "train", conversational: bool = False,
+                     rejected_slip_rate: float = 0.0):
+    """KTO's unpaired rows: the `preference_dataset` pairs split as trl's `unpair_preference_dataset` does (each
+    pair's chosen completion with label True, its rejected one with label False), shuffled (seeded) so that a batch
+    mixes both labels.
+
+    Returns:
+        a `datasets.Dataset` of 2n rows with "prompt", "completion", "label".
+    """
+    from trl.data_utils import unpair_preference_dataset
+
+    pairs = preference_dataset(n, seed, split, conversational, rejected_slip_rate)
+    return unpair_preference_dataset(pairs).shuffle(seed=seed).flatten_indices()
+
+
 def prompt_dataset(n: int, seed: int = 0, split: str = "train", conversational: bool = False):
     """Prompts for RL, with their answers for the reward function.
 

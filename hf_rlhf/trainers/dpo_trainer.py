@@ -121,14 +121,14 @@ class DPOTrainer(BaseTrainer):
         for dataset in (train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])):
             check_precompute_not_streamed(args, dataset)
         init_kwargs = self.model_init_kwargs(model, args, quantization_config)
-        checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: check_dpo_rows(d, args))
-        if isinstance(ref_model, str) and needs_reference(args.loss_type):  # one line now, not after the policy loads
+        checked = self.check_rows_first((train_dataset, eval_dataset), lambda d: self._check_rows(d, args))
+        if isinstance(ref_model, str) and self._needs_reference(args):  # one line now, not after the policy loads
             check_model_path(ref_model, "reference model", revision=init_kwargs.get("revision"))
         model, model_config = resolve_model(model, model_config, AutoModelForCausalLM, **init_kwargs)
         processing_class = self.resolve_tokenizer(processing_class, model, args)
         ensure_pad_token(processing_class, args.pad_token)
 
-        uses_reference = needs_reference(args.loss_type)
+        uses_reference = self._needs_reference(args)
         adapts = is_peft_model(model) or peft_config is not None or bool(model_config and model_config.use_peft)
         if not uses_reference:
             if ref_model is not None:
@@ -177,17 +177,8 @@ class DPOTrainer(BaseTrainer):
             eval_dataset = {k: prepare(v, f"eval_{k}") for k, v in eval_dataset.items()}
         else:
             eval_dataset = prepare(eval_dataset, "eval")
-        if data_collator is None and args.padding_free:
-            data_collator = PaddingFreePreferenceCollator(
-                processing_class.pad_token_id, args.max_length, args.pad_to_multiple_of,
-                return_flash_attention_kwargs=str(attn).startswith("flash_attention"))
-        elif data_collator is None and args.prefix_sharing:
-            data_collator = PrefixSharedPreferenceCollator(processing_class.pad_token_id, args.max_length,
-                                                           args.pad_to_multiple_of)
-        elif data_collator is None:
-            data_collator = DataCollatorForPreference(
-                pad_token_id=processing_class.pad_token_id, max_length=args.max_length,
-                truncation_mode=args.truncation_mode, pad_to_multiple_of=args.pad_to_multiple_of)
+        if data_collator is None:
+            data_collator = self._default_collator(args, processing_class.pad_token_id, attn)
 
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
@@ -209,9 +200,10 @@ class DPOTrainer(BaseTrainer):
                 self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
         if args.sync_ref_model:  # TR-DPO, with trl's own callback
             if self.ref_model is None:
-                raise ValueError("DPOConfig.sync_ref_model=True needs a separate reference model to mix the policy "
-                                 "into; " + ("the loss uses no reference" if not uses_reference else "a peft "
-                                 "policy's reference is its base with the adapters off (as TRL, not supported)") +
+                raise ValueError(f"{type(args).__name__}.sync_ref_model=True needs a separate reference model to mix "
+                                 "the policy into; " + ("the loss uses no reference" if not uses_reference else
+                                 "a peft policy's reference is its base with the adapters off (as TRL, not "
+                                 "supported)") +
                                  ". Set sync_ref_model=False" + (" or train without peft." if uses_reference else "."))
             from trl.trainer.callbacks import SyncRefModelCallback
 
@@ -225,6 +217,32 @@ class DPOTrainer(BaseTrainer):
                 self.eval_dataset = self._with_ref_logps(self.eval_dataset, "eval", args.per_device_eval_batch_size)
 
     # -- data ----------------------------------------------------------------------------------
+    @staticmethod
+    def _check_rows(dataset, args) -> None:
+        """Check every row of a raw in-memory dataset before any model loads (`DataValidationError`)."""
+        check_dpo_rows(dataset, args)
+
+    @staticmethod
+    def _needs_reference(args) -> bool:
+        return needs_reference(args.loss_type)
+
+    @staticmethod
+    def _default_collator(args, pad_token_id: int, attn: str | None):
+        """The collator of the configured layout: TRL's padded pairs, padding-free or prefix-shared ones."""
+        if args.padding_free:
+            return PaddingFreePreferenceCollator(pad_token_id, args.max_length, args.pad_to_multiple_of,
+                                                 return_flash_attention_kwargs=str(attn).startswith("flash_attention"))
+        if args.prefix_sharing:
+            return PrefixSharedPreferenceCollator(pad_token_id, args.max_length, args.pad_to_multiple_of)
+        return DataCollatorForPreference(pad_token_id=pad_token_id, max_length=args.max_length,
+                                         truncation_mode=args.truncation_mode,
+                                         pad_to_multiple_of=args.pad_to_multiple_of)
+
+    @property
+    def ld_alpha(self) -> float | None:
+        """LD-DPO's weight of tokens past the shorter completion (None: plain sums; a config without it: None)."""
+        return getattr(self.args, "ld_alpha", None)
+
     def prepare_eval_dataset(self, dataset, name: str):
         """A dataset passed to `evaluate`: preference rows checked and tokenized like the eval sets of `__init__`,
         with their reference log-probs when `precompute_ref_log_probs` (the reference is kept, so they are right
@@ -274,8 +292,8 @@ class DPOTrainer(BaseTrainer):
         """Per-sequence completion log-probs (chosen rows, then rejected) and token statistics of either layout."""
         if "logit_index" in inputs:  # prefix sharing, padding-free
             return gathered_completion_logps(logits, inputs["row_index"], inputs["logit_index"],
-                                             inputs["target_ids"], inputs["gather_mask"], self.args.ld_alpha)
-        return completion_logps(logits, inputs["input_ids"], inputs["completion_mask"], self.args.ld_alpha)
+                                             inputs["target_ids"], inputs["gather_mask"], self.ld_alpha)
+        return completion_logps(logits, inputs["input_ids"], inputs["completion_mask"], self.ld_alpha)
 
     @staticmethod
     def _gather_index(inputs: dict) -> dict:
@@ -313,7 +331,7 @@ class DPOTrainer(BaseTrainer):
             selected = hidden[gather["row_index"].unsqueeze(1), gather["logit_index"]][mask]  # (M, H)
             scores = head.token_logprobs(selected, gather["target_ids"][mask], with_entropy=True, with_top1=True,
                                          with_moments=True)
-            return outputs, scored_token_statistics(gather["gather_mask"], *scores, ld_alpha=self.args.ld_alpha)
+            return outputs, scored_token_statistics(gather["gather_mask"], *scores, ld_alpha=self.ld_alpha)
         if not keep_logits:
             outputs = model(**model_inputs)
             return outputs, self._statistics(outputs.logits, inputs)
@@ -324,27 +342,42 @@ class DPOTrainer(BaseTrainer):
         outputs = model(**model_inputs, logits_to_keep=keep)
         if outputs.logits.shape[:2] != keep.shape:
             raise RuntimeError(f"use_logits_to_keep: the forward returned logits of shape {tuple(outputs.logits.shape)}"
-                               f" for positions {tuple(keep.shape)}; set DPOConfig.use_logits_to_keep=False.")
+                               f" for positions {tuple(keep.shape)}; set {type(self.args).__name__}."
+                               "use_logits_to_keep=False.")
         return outputs, token_statistics(outputs.logits[rows, column], gather["target_ids"], gather["gather_mask"],
-                                         self.args.ld_alpha)
+                                         self.ld_alpha)
 
     # -- reference log-probs -------------------------------------------------------------------
 
     @torch.no_grad()
-    def _reference_logps(self, model_inputs: dict, inputs: dict, gather: dict | None = None):
-        """(chosen (B,), rejected (B,)) summed completion log-probs under the reference."""
+    def _reference_stats(self, model_inputs: dict, inputs: dict, gather: dict | None = None) -> dict:
+        """`_statistics` of the batch's sequences under the reference (a frozen model, or the adapters off)."""
         keep, head = self._keeps_logits["reference"], self.lm_heads["reference"]
         if self.ref_model is not None:
             _, stats = self._forward(self.ref_model, model_inputs, inputs, keep, gather, head, reference=True)
         else:  # a peft policy: the base with every adapter off
             with adapter_scope(self.accelerator.unwrap_model(self.model), None):
                 _, stats = self._forward(self.model, model_inputs, inputs, keep, gather, head, reference=True)
-        return stats["logps"].chunk(2)
+        return stats
+
+    def _reference_logps(self, model_inputs: dict, inputs: dict, gather: dict | None = None):
+        """(chosen (B,), rejected (B,)) summed completion log-probs under the reference."""
+        return self._reference_stats(model_inputs, inputs, gather)["logps"].chunk(2)
+
+    # the precomputed reference log-probs: {key in the stored file: dataset column}
+    ref_columns = {"chosen": "ref_chosen_logps", "rejected": "ref_rejected_logps"}
+
+    def _batch_ref_logps(self, batch: dict) -> dict:
+        """{key of `ref_columns`: (B,) reference log-probs} of one collated batch."""
+        chosen, rejected = self._reference_logps(self._model_inputs(batch), batch)
+        return {"chosen": chosen, "rejected": rejected}
 
     def _with_ref_logps(self, dataset, name: str, batch_size: int):
-        """`dataset` with `ref_chosen_logps` / `ref_rejected_logps` columns, read from `output_dir/ref_logps/` when a
-        previous run (or the run being resumed) stored them, else computed once and stored there."""
-        if dataset is None or "ref_chosen_logps" in dataset.column_names:
+        """`dataset` with the `ref_columns` (DPO: `ref_chosen_logps` / `ref_rejected_logps`), read from
+        `output_dir/ref_logps/` when a previous run (or the run being resumed) stored them, else computed once and
+        stored there."""
+        columns = self.ref_columns
+        if dataset is None or set(columns.values()) <= set(dataset.column_names):
             return dataset
         path = os.path.join(self.args.output_dir, "ref_logps", f"{name}-{dataset._fingerprint}.pt")
         if os.path.exists(path):
@@ -352,25 +385,26 @@ class DPOTrainer(BaseTrainer):
             logger.info("reference log-probs of the %s set read from %s", name, path)
         else:
             size = self.args.precompute_ref_batch_size or batch_size
-            loader = torch.utils.data.DataLoader(dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]),
-                                                 batch_size=size, collate_fn=self.data_collator, shuffle=False)
+            inputs = [c for c in self.feature_columns if c in dataset.column_names and c not in columns.values()]
+            loader = torch.utils.data.DataLoader(dataset.select_columns(inputs), batch_size=size,
+                                                 collate_fn=self.data_collator, shuffle=False)
             was_training = self.model.training
             self.model.eval()
-            chosen, rejected = [], []
+            parts = {key: [] for key in columns}
             for batch in loader:
                 batch = self._prepare_inputs(batch)
-                c, r = self._reference_logps(self._model_inputs(batch), batch)
-                chosen.append(c.float().cpu())
-                rejected.append(r.float().cpu())
+                for key, logps in self._batch_ref_logps(batch).items():
+                    parts[key].append(logps.float().cpu())
             self.model.train(was_training)
-            stored = {"chosen": torch.cat(chosen), "rejected": torch.cat(rejected)}
+            stored = {key: torch.cat(values) for key, values in parts.items()}
             if self.args.should_save:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 torch.save(stored, path + ".tmp")
                 os.replace(path + ".tmp", path)  # atomic: a kill mid-write leaves no half file
             logger.info("reference log-probs of the %s set computed and stored in %s", name, path)
-        dataset = dataset.add_column("ref_chosen_logps", stored["chosen"].tolist())
-        return dataset.add_column("ref_rejected_logps", stored["rejected"].tolist())
+        for key, column in columns.items():
+            dataset = dataset.add_column(column, stored[key].tolist())
+        return dataset
 
     # -- loss and metrics ----------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -20,6 +20,8 @@ Known differences, by design (values only; the names agree):
 - `completion_only_loss=None`: TRL decides it once, from the train set's first row, and applies it to the eval
   sets too; hf_rlhf decides it per dataset (a prompt/completion eval set beside a text train set keeps its
   completion-only loss). The scripts use one format per case.
+- KTO's `rewards/*`, `logps/*` over more than one batch (eval): TRL averages per-batch means; hf_rlhf logs the
+  mean over every completion of that label.
 - TRL's configs default to `bf16=True` and `gradient_checkpointing=True`; hf_rlhf's are device-aware (off on CPU).
   The scripts set both, so they compare the same arithmetic.
 """
@@ -41,6 +43,7 @@ from hf_rlhf.toy import (  # noqa: E402
     build_toy_tokenizer,
     preference_dataset,
     sft_dataset,
+    unpaired_dataset,
 )
 
 LIBRARIES = (trl, hf_rlhf)
@@ -325,6 +328,39 @@ def test_dpo_conversational(tmp_path, tokenizer, model_dirs, prompt):
 
     gap = run_both(dpo_script, tmp_path, model_dirs["lm"], tokenizer, rows(16, 1), rows(8, 2), relative=True)
     print(f"DPO conversational {prompt} prompt: max |loss diff| {gap:.2e}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# KTO: unpaired rows (and pairs split into them), the KL reference point from mismatched completions
+
+
+def kto_script(lib, model_path, tokenizer, train, evaluation, output_dir, peft_config=None, **config):
+    seed_everything()
+    args = lib.KTOConfig(**{**config_kwargs(output_dir), "max_length": 64, **config})
+    trainer = lib.KTOTrainer(model=model_path, args=args, train_dataset=train, eval_dataset=evaluation,
+                             processing_class=tokenizer, peft_config=peft_config)
+    trainer.train()
+    return trainer.state.log_history
+
+
+KTO_CASES = [{}, {"loss_type": "apo_zero_unpaired"}, {"beta": 0.5, "desirable_weight": 1.33, "undesirable_weight": 0.7},
+             {"precompute_ref_log_probs": True}, {"rows": "paired"}, {"rows": "conversational"}, {"lora": True}]
+
+
+@pytest.mark.parametrize("case", KTO_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_kto(tmp_path, tokenizer, model_dirs, case):
+    config = dict(case)
+    rows, extra = config.pop("rows", "unpaired"), {}
+    if config.pop("lora", False):
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                          task_type="CAUSAL_LM")
+    make = {"unpaired": lambda n, seed: unpaired_dataset(n, seed=seed),
+            "paired": lambda n, seed: preference_dataset(n, seed=seed),  # split into unpaired rows by the trainers
+            "conversational": lambda n, seed: unpaired_dataset(n, seed=seed, conversational=True)}[rows]
+    gap = run_both(kto_script, tmp_path, model_dirs["lm"], tokenizer, make(8, 1), make(4, 2), **extra, **config)
+    print(f"KTO {case}: max |loss diff| {gap:.2e}")
 
 
 # ---------------------------------------------------------------------------------------------------

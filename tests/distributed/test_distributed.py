@@ -182,10 +182,10 @@ def reloaded_outputs(task: str, out: Path) -> torch.Tensor:
 
     tokenizer = _tokenizer()
     ids, mask = _inputs(tokenizer)
-    if task in ("sft", "dpo", *PPO_TASKS):
+    if task in ("sft", "dpo", "kto", *PPO_TASKS):
         model = AutoModelForCausalLM.from_pretrained(out).eval()
         logits = model(input_ids=ids, attention_mask=mask).logits
-        if task not in ("sft", "dpo", "ppo"):  # critic-free: no value function saved
+        if task not in ("sft", "dpo", "kto", "ppo"):  # critic-free: no value function saved
             assert not (out / "value").exists()
         if task == "ppo":  # the value head beside it, a (1, hidden) linear
             head = load_file(out / "value" / "value_head.safetensors")
@@ -231,6 +231,29 @@ def test_two_processes_match_one(runs, engine, task):
     # Adam turns the rounding left of it into a step: 1.1e-4 on a logit of 0.12 after 4 steps, on every engine)
     torch.testing.assert_close(reloaded_outputs(task, multi["out"] / "out"),
                                reloaded_outputs(task, single["out"] / "out"), atol=TOLERANCE, rtol=2e-3)
+
+
+@pytest.mark.slow  # its own launches (~1 min each on 2 cores), outside LAUNCHES: `-m slow` runs it
+@pytest.mark.parametrize("engine", [engine_param(e) for e in ("ddp", "deepspeed_zero3")])
+def test_kto_two_processes_match_one(tmp_path, engine):
+    """KTO with 2 ranks x 4 rows gives the single process's losses on 8 rows (its KL reference point z0 is the mean
+    of the ranks' own, gathered as TRL does), and the saved model reloads to the single process's."""
+    results = {}
+    for launch in (None, engine):
+        out = tmp_path / (launch or "single")
+        run(launch_cmd(launch, "--task", "kto", "--out", str(out), "--steps", str(STEPS), "--global_batch",
+                       str(GLOBAL_BATCH)), out)
+        results[launch] = json.loads((out / "kto" / "losses.json").read_text())
+    single, multi = results[None], results[engine]
+    assert multi["world_size"] == 2 and single["world_size"] == 1 and len(single["loss"]) == STEPS
+    diff = max(abs(a - b) for a, b in zip(multi["loss"], single["loss"]))
+    kls = [[h["kl"] for h in r["log_history"] if "kl" in h] for r in (single, multi)]
+    print(f"\n[matrix] kto x {engine}: max |loss diff| {diff:.2e}; kl single {kls[0]}, {engine} {kls[1]}")
+    assert diff <= TOLERANCE, (multi["loss"], single["loss"])
+    assert kls[0] == pytest.approx(kls[1], abs=TOLERANCE) and max(kls[0]) > 0  # z0 estimated, and the same
+    assert single["loss"][-1] != single["loss"][0]
+    torch.testing.assert_close(reloaded_outputs("kto", tmp_path / engine / "kto" / "out"),
+                               reloaded_outputs("kto", tmp_path / "single" / "kto" / "out"), atol=TOLERANCE, rtol=0)
 
 
 @pytest.mark.parametrize("engine", [engine_param(e) for e in ("ddp", "deepspeed_zero3")])

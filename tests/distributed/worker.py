@@ -1,7 +1,7 @@
 """Tiny training runs for the distributed tests, launched by `torchrun` / `accelerate launch` (or plain python).
 
     python tests/distributed/worker.py --task TASK[,TASK...] --out DIR [--steps 4] [--global_batch 8]
-        TASK: sft, sft_lora, reward, dpo, dpo_lora, ppo, grpo, rloo, reinforce_pp, grpo_dynamic or grpo_tools,
+        TASK: sft, sft_lora, reward, dpo, dpo_lora, kto, ppo, grpo, rloo, reinforce_pp, grpo_dynamic or grpo_tools,
         optionally ending in @<generation_backend> (PPO tasks; default generate), e.g. ppo@lean
     python tests/distributed/worker.py --recipe ppo --out DIR <recipe options>   # records who writes what
 
@@ -32,7 +32,7 @@ import torch
 
 from hf_rlhf.cli.errors import close_process_group
 
-TASKS = ("sft", "sft_lora", "reward", "dpo", "dpo_lora", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic",
+TASKS = ("sft", "sft_lora", "reward", "dpo", "dpo_lora", "kto", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic",
          "grpo_tools")
 # PPOTrainer's critic-free estimators, each with the options whose statistics cross ranks: GRPO's k3 in the loss with
 # the per-sequence loss_type, RLOO's batch-whitened advantages, REINFORCE++'s globally whitened returns
@@ -225,6 +225,17 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
         args = DPOConfig(**common, learning_rate=1e-2, max_length=64, loss_type="sigmoid", beta=0.5)
         return DPOTrainer(model, args=args, processing_class=tokenizer, model_config=lora,
                           train_dataset=preference_dataset(256, seed=1, split="train"))
+    if task == "kto":  # full policy, a frozen reference copy; the KL term's z0 is averaged over the ranks
+        from hf_rlhf import KTOConfig, KTOTrainer
+        from hf_rlhf.data.kto import prepare_kto_dataset
+        from hf_rlhf.toy import unpaired_dataset
+
+        model = build_toy_model(tokenizer, "tiny", seed=0)
+        args = KTOConfig(**common, learning_rate=3e-3, max_length=64, beta=0.5)
+        # the mismatched completions rotate inside blocks of 4 rows (a rank's batch with 2 processes), prepared here so
+        # that one process taking 8 rows a step pairs the same rows: its z0 is then the mean of the two ranks' z0
+        rows = prepare_kto_dataset(unpaired_dataset(128, seed=1), tokenizer, args, block_size=4)
+        return KTOTrainer(model, args=args, processing_class=tokenizer, train_dataset=rows)
     # PPO: full policy (a frozen reference copy) with a value head; one rollout = one optimizer step, so the micro-
     # batch order inside a rollout (seeded per rank) changes only the order of a sum; adaptive KL with a short
     # horizon so that β moves at every rollout. From a path (`policy_path`) the policy loads after its config, i.e.

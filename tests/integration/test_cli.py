@@ -181,6 +181,16 @@ def test_ppo_help_groups_the_options_by_config_class(capsys):
     assert "--accelerate_config" in out
 
 
+def test_kto_is_a_command_with_ktoconfig_options(capsys):
+    assert "kto" in available_commands()
+    assert main(["kto", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: hf-rlhf kto ") and "KTOConfig (hf_rlhf.trainers.kto_config):" in out
+    for option in ("--desirable_weight", "--undesirable_weight", "--loss_type", "--toy_rejected_slip_rate"):
+        assert f"\n  {option} " in out, option
+    assert main(["kto", "--desirable_wieght", "1.0"]) == 2  # an unknown option is an error
+
+
 def test_env_prints_the_versions_and_the_device(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out

@@ -43,6 +43,9 @@ TINY = {
     "dpo": ["--toy_train_size", "16", "--toy_test_size", "4", "--max_steps", "1", "--per_device_train_batch_size", "8",
             "--per_device_eval_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true",
             "--build_missing", "false"],
+    "kto": ["--toy_train_size", "16", "--toy_test_size", "4", "--max_steps", "1", "--per_device_train_batch_size", "8",
+            "--per_device_eval_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true",
+            "--build_missing", "false"],
 }
 
 
@@ -75,7 +78,8 @@ def documented_commands() -> list[tuple[str, str]]:
             found += [(page, c) for c in _commands_in(block, comment=False)]
     import ast
 
-    for rel in ("recipes/sft.py", "recipes/reward.py", "recipes/ppo.py", "recipes/dpo.py", "hf_rlhf/cli/main.py",
+    for rel in ("recipes/sft.py", "recipes/reward.py", "recipes/ppo.py", "recipes/dpo.py", "recipes/kto.py",
+                "hf_rlhf/cli/main.py",
                 "hf_rlhf/models/merge.py"):
         path = os.path.join(ROOT, rel)
         assert os.path.isfile(path), f"{rel} moved: name its new path here"  # a moved file must not go unread
@@ -193,7 +197,7 @@ def few_steps(name: str, args: list[str], out: str, prebuilt: dict) -> list[str]
     extra = [*TINY[name], "--output_dir", out]
     if name == "reward":
         extra += ["--sft_model_path", prebuilt["sft"]]
-    if name == "dpo":
+    if name in ("dpo", "kto"):
         extra += ["--sft_model_path", prebuilt["sft"]]
     if name == "ppo":
         sft_model = prebuilt["sft_tools"] if is_tools_toy(args) else prebuilt["sft"]
@@ -232,7 +236,7 @@ def test_documented_command_runs(where, command, tmp_path, monkeypatch, prebuilt
 
     if kind == "cli":
         command_name = args[0] if args else None
-        if command_name in ("sft", "reward", "ppo", "dpo", "chain") and "--help" not in args:
+        if command_name in ("sft", "reward", "ppo", "dpo", "kto", "chain") and "--help" not in args:
             recipe_name = cli.COMMANDS[command_name][0]
             launched = []
             monkeypatch.setattr("accelerate.commands.launch.launch_command", lambda a: launched.append(a))

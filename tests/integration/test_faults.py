@@ -1,7 +1,7 @@
-"""Faults, for SFT, reward, DPO and PPO on the toy world: kill -9 at many points inside a checkpoint save (and between
-saves) then resume from the latest checkpoint = the uninterrupted run, exactly; broken checkpoints of an older
-in-place writer are skipped by name; an injected NaN loss at a save step stops (nothing saved from that step on) or
-is skipped (the parameters unchanged by that step); huge finite rewards keep their logged mean finite.
+"""Faults, for SFT, reward, DPO and PPO on the toy world (KTO: the kills): kill -9 at many points inside a checkpoint
+save (and between saves) then resume from the latest checkpoint = the uninterrupted run, exactly; broken checkpoints
+of an older in-place writer are skipped by name; an injected NaN loss at a save step stops (nothing saved from that
+step on) or is skipped (the parameters unchanged by that step); huge finite rewards keep their logged mean finite.
 
 The killed runs are forked from the test process (no re-import of torch), their saves slowed by patching the
 writers in the child only, and killed with SIGKILL when the output folder shows the wanted point of the save.
@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import TrainerState
 
 import hf_rlhf.training.checkpoints as checkpoints
-from hf_rlhf import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from hf_rlhf import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from hf_rlhf.toy import build_toy_model, build_toy_reward_model, preference_dataset, sft_dataset
 from hf_rlhf.trainers.ppo_config import PPOConfig
 from hf_rlhf.trainers.ppo_trainer import PPOTrainer
@@ -66,6 +66,13 @@ def build(kind, output_dir, tokenizer, callbacks=(), trainer_class=None, reward=
         return (trainer_class or DPOTrainer)(build_toy_model(tokenizer, "tiny", seed=0), args=args,
                                              train_dataset=preference_dataset(64, seed=1),
                                              processing_class=tokenizer, callbacks=list(callbacks))
+    if kind == "kto":  # the same, on unpaired rows with their mismatched completions (sequential order)
+        from hf_rlhf.toy import unpaired_dataset
+
+        args = KTOConfig(per_device_train_batch_size=8, max_length=48, warmup_steps=0, **common)
+        return (trainer_class or KTOTrainer)(build_toy_model(tokenizer, "tiny", seed=0), args=args,
+                                             train_dataset=unpaired_dataset(32, seed=1),
+                                             processing_class=tokenizer, callbacks=list(callbacks))
     # PPO: a rollout = 2 mini-batches x 2 ppo epochs = 4 optimizer steps; checkpoint-6 cuts a rollout
     from hf_rlhf.toy import prompt_dataset
 
@@ -77,7 +84,7 @@ def build(kind, output_dir, tokenizer, callbacks=(), trainer_class=None, reward=
                                          callbacks=list(callbacks))
 
 
-TARGET_STEP = {"sft": 4, "reward": 4, "dpo": 4, "ppo": 6}
+TARGET_STEP = {"sft": 4, "reward": 4, "dpo": 4, "kto": 4, "ppo": 6}
 
 
 def step_logs(trainer, after=0):
@@ -234,7 +241,7 @@ def test_a_child_killed_inside_a_progress_bar_leaves_the_parents_bars_working():
     assert not bars.is_alive(), "the parent's progress bar waits for a lock the killed child held"
 
 
-@pytest.mark.parametrize("kind", ["sft", "reward", "dpo", "ppo"])
+@pytest.mark.parametrize("kind", ["sft", "reward", "dpo", "kto", "ppo"])
 def test_kill_inside_and_between_saves_then_resume_is_exact(tmp_path, tokenizer, kind, caplog):
     full = build(kind, tmp_path / "full", tokenizer)
     full.train()

@@ -19,7 +19,7 @@ from peft import (
 )
 from transformers import TrainingArguments
 
-from hf_rlhf import DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from hf_rlhf import DPOTrainer, KTOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from hf_rlhf.toy import build_toy_model, build_toy_reward_model, preference_dataset, prompt_dataset, sft_dataset
 from hf_rlhf.trainers.ppo_config import PPOConfig
 from hf_rlhf.trainers.ppo_trainer import PPOTrainer
@@ -50,7 +50,7 @@ def changed(before, model):
 # -- signatures ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("ours, theirs", [(SFTTrainer, trl.SFTTrainer), (RewardTrainer, trl.RewardTrainer),
-                                         (DPOTrainer, trl.DPOTrainer)])
+                                         (DPOTrainer, trl.DPOTrainer), (KTOTrainer, trl.KTOTrainer)])
 def test_trl_parameters_in_trls_order(ours, theirs):
     trl_params = list(inspect.signature(theirs.__init__).parameters)
     our_params = list(inspect.signature(ours.__init__).parameters)

@@ -1,5 +1,5 @@
-"""Every option of trl 1.16's SFTConfig and RewardConfig is accepted here (or refused with a reason); config values are
-type-checked per field; old option names are errors that name the new option."""
+"""Every option of trl 1.16's SFTConfig, RewardConfig, DPOConfig and KTOConfig is accepted here (or refused with a
+reason); config values are type-checked per field; old option names are errors that name the new option."""
 
 import dataclasses
 import math
@@ -10,7 +10,7 @@ import torch
 import trl
 from transformers import HfArgumentParser, TrainingArguments
 
-from hf_rlhf import DPOConfig, ModelConfig, RewardConfig, SFTConfig
+from hf_rlhf import DPOConfig, KTOConfig, ModelConfig, RewardConfig, SFTConfig
 from hf_rlhf.cli.arguments import parse_recipe_args
 from hf_rlhf.data.options import DataOptions, PreferenceDataOptions, SFTDataOptions
 from hf_rlhf.losses.sft import dft_loss
@@ -87,8 +87,27 @@ DPO_VALUES = {
     "ref_model_sync_steps": (64, "ok"),
     "pad_token": ("<pad>", "ok"),
 }
+KTO_VALUES = {
+    "model_init_kwargs": ({"dtype": "bfloat16"}, "ok"),
+    "trust_remote_code": (True, "ok"),
+    "router_aux_loss_coef": (0.001, "ok"),  # MoE models: added to the loss, as TRL
+    "disable_dropout": (False, "ok"),
+    "dataset_num_proc": (2, "ok"),
+    "max_length": (512, "ok"),
+    "pad_to_multiple_of": (8, "ok"),
+    "precompute_ref_log_probs": (True, "ok"),
+    "precompute_ref_batch_size": (16, "ok"),
+    "loss_type": ("apo_zero_unpaired", "ok"),
+    "beta": (0.5, "ok"),
+    "desirable_weight": (1.33, "ok"),
+    "undesirable_weight": (0.75, "ok"),
+    "activation_offloading": (True, "ok" if CUDA else "KTOConfig.activation_offloading=True moves activations"),
+    "sync_ref_model": (True, "ok"),  # TR-DPO: trl's SyncRefModelCallback
+    "ref_model_mixup_alpha": (0.5, "ok"),
+    "ref_model_sync_steps": (64, "ok"),
+}
 PAIRS = [(trl.SFTConfig, SFTConfig, SFT_VALUES), (trl.RewardConfig, RewardConfig, REWARD_VALUES),
-         (trl.DPOConfig, DPOConfig, DPO_VALUES)]
+         (trl.DPOConfig, DPOConfig, DPO_VALUES), (trl.KTOConfig, KTOConfig, KTO_VALUES)]
 
 
 def trl_fields(trl_cls):
@@ -151,7 +170,8 @@ def test_trl_spellings_are_converted_as_trl_does(tmp_path):
 
 # -- types ---------------------------------------------------------------------------------------------
 
-CONFIGS = [(SFTConfig, True), (RewardConfig, True), (DPOConfig, True), (PPOConfig, True), (ModelConfig, False),
+CONFIGS = [(SFTConfig, True), (RewardConfig, True), (DPOConfig, True), (KTOConfig, True), (PPOConfig, True),
+           (ModelConfig, False),
            (DataOptions, False), (SFTDataOptions, False), (PreferenceDataOptions, False)]
 
 

@@ -1,11 +1,12 @@
-"""Run TRL's own SFT, reward and DPO test modules against trl and against hf_rlhf (issue 20).
+"""Run TRL's own SFT, reward, DPO and KTO test modules against trl and against hf_rlhf (issues 20, 43).
 
     git -C <trl mirror> archive HEAD tests scripts | tar -x -C /tmp/trl-src
     PYTHONPATH=. python tests/compat/trl_tests/run_trl_tests.py --trl-tests /tmp/trl-src
 
-Copies ``tests/test_sft_trainer.py``, ``tests/test_reward_trainer.py``, ``tests/test_dpo_trainer.py`` and the helpers
-they import into a temp package twice: once as they are, once with only the ``from trl import SFTConfig, SFTTrainer``
-/ ``RewardConfig, RewardTrainer`` / ``DPOConfig, DPOTrainer`` lines rewritten to ``from hf_rlhf import ...``.  Each
+Copies ``tests/test_sft_trainer.py``, ``tests/test_reward_trainer.py``, ``tests/test_dpo_trainer.py``,
+``tests/test_kto_trainer.py`` and the helpers they import into a temp package twice: once as they are, once with only
+the ``from trl import SFTConfig, SFTTrainer`` / ``RewardConfig, RewardTrainer`` / ``DPOConfig, DPOTrainer`` /
+``KTOConfig, KTOTrainer`` lines rewritten to ``from hf_rlhf import ...``.  Each
 copy runs in a pytest subprocess with ``trl_offline_plugin`` (offline tiny models, zen datasets, n/a skips,
 per-test timeout).  Prints per module: collected, not applicable, passed on trl, passed on hf_rlhf, the deliberate
 differences (``DELIBERATE``) and the other tests that pass on trl but fail on hf_rlhf, grouped by their first error
@@ -25,9 +26,9 @@ from pathlib import Path
 
 
 HERE = Path(__file__).resolve().parent
-MODULES = ["test_sft_trainer.py", "test_reward_trainer.py", "test_dpo_trainer.py"]
+MODULES = ["test_sft_trainer.py", "test_reward_trainer.py", "test_dpo_trainer.py", "test_kto_trainer.py"]
 # TRL tests that fail on hf_rlhf on purpose (docs/trl_compatibility.md), each with its own test in
-# tests/integration/test_trl_preparation.py
+# tests/integration/test_trl_preparation.py (KTO's: tests/integration/test_kto_trainer.py)
 DELIBERATE = {
     "test_sft_trainer.py::TestSFTTrainer::test_padding_free_without_packing_and_max_length_raises":
         "padding_free without packing keeps max_length (rows cut when prepared); TRL refuses the pair",
@@ -36,12 +37,16 @@ DELIBERATE = {
     "test_dpo_trainer.py::TestDPOTrainer::test_evaluate_precompute_ref_log_probs_after_training_raises":
         "evaluate(new rows) after training with precompute_ref_log_probs takes the kept reference's log-probs; "
         "TRL keeps no reference and refuses",
+    "test_kto_trainer.py::TestKTOTrainer::test_evaluate_precompute_ref_log_probs_after_training_raises":
+        "as DPO's: evaluate(new rows) after training with precompute_ref_log_probs takes the kept reference's "
+        "log-probs; TRL keeps no reference and refuses",
 }
 HELPERS = ["__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py"]
 REWRITES = {
     "from trl import SFTConfig, SFTTrainer": "from hf_rlhf import SFTConfig, SFTTrainer",
     "from trl import RewardConfig, RewardTrainer": "from hf_rlhf import RewardConfig, RewardTrainer",
     "from trl import DPOConfig, DPOTrainer": "from hf_rlhf import DPOConfig, DPOTrainer",
+    "from trl import KTOConfig, KTOTrainer": "from hf_rlhf import KTOConfig, KTOTrainer",
 }
 
 
