@@ -46,13 +46,6 @@ REWRITES = {
     "from trl.experimental.distillation import DistillationConfig, DistillationTrainer":
         "from hf_rlhf import DistillationConfig, DistillationTrainer",
 }
-# lines of the pinned TRL tests that the installed trl 1.16 cannot import (its DistillationTrainer left
-# trl.experimental for trl.trainer; the experimental path only re-exports the two classes): rewritten for both
-# targets, so the module is collected on trl too; the one test that uses the name then fails on both
-BOTH_REWRITES = {
-    "from trl.experimental.distillation.distillation_trainer import _RepeatBatchDataLoader":
-        "_RepeatBatchDataLoader = None  # not in trl 1.16 (run_trl_tests.py)",
-}
 
 
 def prepare(trl_tests, dest, target, modules):
@@ -60,8 +53,6 @@ def prepare(trl_tests, dest, target, modules):
     pkg.mkdir(parents=True)
     for name in modules + HELPERS:
         text = (trl_tests / name).read_text()
-        for line, new in BOTH_REWRITES.items():
-            text = text.replace(line, new)
         if target == "hf_rlhf" and name in modules:
             hits = [line for line in REWRITES if line in text]
             assert hits, f"no trainer import line found in {name}"
