@@ -116,7 +116,7 @@ class DistillationTrainer(PPOTrainer):
         self._step_started, self._micro_left = None, 0
         super().__init__(model, _no_reward, args=args, train_dataset=train_dataset, processing_class=processing_class,
                          peft_config=peft_config, model_config=model_config, callbacks=callbacks,
-                         optimizers=optimizers, tools=tools, **kwargs)
+                         optimizers=optimizers, tools=tools, eval_dataset=eval_dataset, **kwargs)
         self.eval_dataset = eval_dataset
         policy = self.accelerator.unwrap_model(self.model).policy
         if shares_base:
@@ -144,10 +144,10 @@ class DistillationTrainer(PPOTrainer):
 
     @staticmethod
     def _check_completions(dataset, args) -> None:
-        """With lmbda < 1, every row needs a `completion` of its prompt's kind (text, or assistant messages)."""
+        """Every row's prompt; with lmbda < 1 also a `completion` of its prompt's kind (text, or messages)."""
+        dataset, conversational = validate_prompt_dataset(dataset)
         if args.lmbda == 1.0:
             return
-        dataset, conversational = validate_prompt_dataset(dataset)
         if "completion" not in dataset.column_names:
             raise DataValidationError(None, "completion", f"a 'completion' column (lmbda={args.lmbda} trains "
                                       "that share of rollouts on the dataset's completions)")

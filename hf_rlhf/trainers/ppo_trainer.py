@@ -240,7 +240,8 @@ class PPOTrainer(BaseTrainer):
         if args.reward_normalization == "running":
             own.append(RewardStatsCallback())
         super().__init__(model=module, args=args, train_dataset=train_dataset, processing_class=processing_class,
-                         callbacks=own + list(callbacks or []), optimizers=optimizers)
+                         callbacks=own + list(callbacks or []), optimizers=optimizers,
+                         eval_dataset=eval_dataset if self.evaluates else None)
 
         self.ref_model = self._prepare_frozen(ref_model)
         if isinstance(reward_source, ModelReward):
