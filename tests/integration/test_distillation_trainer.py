@@ -211,8 +211,8 @@ def test_bad_inputs_are_named_before_any_model_loads(tmp_path, tokenizer, base_d
         DistillationTrainer(base_dir, base_dir, args=make_args(tmp_path), train_dataset=[{"prompt": "a"},
                                                                                         {"prompt": ""}])
     with pytest.raises(ValueError, match="teacher_model_init_kwargs"):
-        DistillationTrainer(base_dir, object(), args=make_args(tmp_path, teacher_model_init_kwargs={"dtype": "float32"}),
-                            train_dataset=prompts)
+        args = make_args(tmp_path, teacher_model_init_kwargs={"dtype": "float32"})
+        DistillationTrainer(base_dir, object(), args=args, train_dataset=prompts)
     with pytest.raises(ValueError, match="needs a teacher"):
         DistillationTrainer(base_dir, args=make_args(tmp_path), train_dataset=prompts)
 
