@@ -69,7 +69,8 @@ def prepare(trl_tests, dest, target, modules):
 def run_pytest(pkg, module, junit, timeout, extra):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_HUB_CACHE=str(Path(os.environ["TRL_OFFLINE_CACHE"]) / "hub"), TRL_TEST_TIMEOUT=str(timeout),
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               # this checkout's hf_rlhf (a relative PYTHONPATH=. would not hold in the copies' directory)
+               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parents[2]), os.environ.get("PYTHONPATH", "")]),
                CUDA_VISIBLE_DEVICES="", WANDB_DISABLED="true")
     cmd = [sys.executable, "-m", "pytest", str(pkg / module), "-p", "trl_offline_plugin", "-p", "no:cacheprovider",
            "-v", "-rN", "--tb=line", f"--junitxml={junit}", f"--rootdir={pkg.parent}", *extra]
