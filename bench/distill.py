@@ -66,7 +66,8 @@ def worker(name: str, settings: dict, threads: int) -> dict:
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     completions = trainer.state.global_step * settings["batch_size"]
     return {"config": name, "seconds": seconds, "pairs": completions, "pairs_per_s": completions / seconds,
-            "cpu_seconds": cpu_seconds, "pairs_per_cpu_s": completions / cpu_seconds, "steps": trainer.state.global_step,
+            "cpu_seconds": cpu_seconds, "pairs_per_cpu_s": completions / cpu_seconds,
+            "steps": trainer.state.global_step,
             "train_loss": result.training_loss, "positions_per_pair": float(settings["completion_length"]),
             "threads": torch.get_num_threads(), "load_before": load_before, "load_after": os.getloadavg()[0]}
 
