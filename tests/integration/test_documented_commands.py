@@ -43,6 +43,9 @@ TINY = {
     "dpo": ["--toy_train_size", "16", "--toy_test_size", "4", "--max_steps", "1", "--per_device_train_batch_size", "8",
             "--per_device_eval_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true",
             "--build_missing", "false"],
+    "distill": ["--toy_train_size", "16", "--toy_test_size", "4", "--max_steps", "1", "--per_device_train_batch_size",
+                "8", "--per_device_eval_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true",
+                "--build_missing", "false"],
 }
 
 
@@ -75,7 +78,8 @@ def documented_commands() -> list[tuple[str, str]]:
             found += [(page, c) for c in _commands_in(block, comment=False)]
     import ast
 
-    for rel in ("recipes/sft.py", "recipes/reward.py", "recipes/ppo.py", "recipes/dpo.py", "hf_rlhf/cli/main.py",
+    for rel in ("recipes/sft.py", "recipes/reward.py", "recipes/ppo.py", "recipes/dpo.py", "recipes/distill.py",
+                "hf_rlhf/cli/main.py",
                 "hf_rlhf/models/merge.py"):
         path = os.path.join(ROOT, rel)
         assert os.path.isfile(path), f"{rel} moved: name its new path here"  # a moved file must not go unread
@@ -110,7 +114,7 @@ def test_the_commands_are_found():
 
 
 def resolve(command: str) -> tuple[str, str | None, list[str], list[str]]:
-    """(kind, name, arguments, launch options) of a command: kind "recipe" (name: sft / reward / ppo / dpo),
+    """(kind, name, arguments, launch options) of a command: kind "recipe" (name: sft / reward / ppo / dpo / distill),
     "cli" (the `hf-rlhf` arguments), "merge"."""
     command = re.sub(r"\s*\[[^\]]*\]", "", command)  # optional parts, [--dtype float32]
     command = re.sub(r"\$[A-Z_]+", "0", command)  # $NODE_RANK, $MASTER_ADDR: the user's values
@@ -195,6 +199,8 @@ def few_steps(name: str, args: list[str], out: str, prebuilt: dict) -> list[str]
         extra += ["--sft_model_path", prebuilt["sft"]]
     if name == "dpo":
         extra += ["--sft_model_path", prebuilt["sft"]]
+    if name == "distill":  # the tiny SFT policy as teacher and as the student's start
+        extra += ["--sft_model_path", prebuilt["sft"], "--student_model_path", prebuilt["sft"]]
     if name == "ppo":
         sft_model = prebuilt["sft_tools"] if is_tools_toy(args) else prebuilt["sft"]
         extra += ["--sft_model_path", sft_model, "--reward_model_path", prebuilt["reward"]]
@@ -232,7 +238,7 @@ def test_documented_command_runs(where, command, tmp_path, monkeypatch, prebuilt
 
     if kind == "cli":
         command_name = args[0] if args else None
-        if command_name in ("sft", "reward", "ppo", "dpo", "chain") and "--help" not in args:
+        if command_name in ("sft", "reward", "ppo", "dpo", "distill", "chain") and "--help" not in args:
             recipe_name = cli.COMMANDS[command_name][0]
             launched = []
             monkeypatch.setattr("accelerate.commands.launch.launch_command", lambda a: launched.append(a))
