@@ -31,7 +31,7 @@ from hf_rlhf.training.nonfinite import NonFiniteError
 pytestmark = pytest.mark.integration
 
 SAVE_DELAY = 0.2  # seconds each slowed write of the killed save takes
-NOT_COMPARED = {"tokens_per_second", "step_time"}  # wall-clock; SFT's num_tokens goes on from the checkpoint and is compared
+NOT_COMPARED = {"tokens_per_second", "step_time"}  # wall-clock; SFT's num_tokens is compared
 
 
 @pytest.fixture(autouse=True)
