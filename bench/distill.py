@@ -2,9 +2,10 @@
 
 One process per run, each configuration in its own subprocess, rounds interleaved (A B A B ...) so that drifts in
 the load of this shared machine hit both alike. Both libraries load the same seeded student and teacher toy Llamas
-from their directories (fp32, sdpa, no activation checkpointing, bf16 off), train on the same prompts with the same
-optimizer, batch, beta and seed, and decode greedily (`generation_kwargs={"do_sample": False}`): the completions,
-and so the work, are the same (the losses agree to float rounding: tests/compat/test_trl_distillation.py).
+from their directories (fp32, sdpa, no activation checkpointing, bf16 off), with the same optimizer, batch, beta and
+seed, and decode greedily (`generation_kwargs={"do_sample": False}`) a set of prompts that is exactly one generation
+batch: every step trains on all of them, so the completions, the work and the losses are the same (checked to 1e-4;
+tests/compat/test_trl_distillation.py does the same per step).
 
     hf_rlhf     `DistillationTrainer`: PPOTrainer's rollout (generation_backend="generate"), the divergence from the
                 full logits at this vocabulary (chunked above 4,096 entries: `chunked_lm_head=None`).
@@ -26,9 +27,11 @@ import sys
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
 CONFIGS = ("hf_rlhf", "trl")
+# the prompts are one generation batch, so every step trains on all of them whatever order each library draws them
+# in: the completions, the work and the losses are the same
 PRESETS = {
-    "full": dict(prompts=256, batch_size=16, accumulation=2, completion_length=16, student="tiny", teacher="small"),
-    "quick": dict(prompts=32, batch_size=8, accumulation=2, completion_length=8, student="tiny", teacher="tiny"),
+    "full": dict(batch_size=16, steps=24, accumulation=2, completion_length=16, student="tiny", teacher="small"),
+    "quick": dict(batch_size=8, steps=4, accumulation=2, completion_length=8, student="tiny", teacher="tiny"),
 }
 
 
@@ -43,7 +46,7 @@ def worker(name: str, settings: dict, threads: int) -> dict:
     torch.set_num_threads(threads)
     lib = __import__(name)
     tokenizer = build_toy_tokenizer()
-    prompts = prompt_dataset(settings["prompts"], seed=0)
+    prompts = prompt_dataset(settings["batch_size"], seed=0)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON
         paths = {}
         for role, seed in (("student", 0), ("teacher", 1)):
@@ -53,7 +56,7 @@ def worker(name: str, settings: dict, threads: int) -> dict:
         init = {"dtype": "float32", "device_map": None}
         args = lib.DistillationConfig(
             output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=settings["batch_size"] // 2,
-            gradient_accumulation_steps=settings["accumulation"], num_train_epochs=1, learning_rate=1e-3,
+            gradient_accumulation_steps=settings["accumulation"], max_steps=settings["steps"], learning_rate=1e-3,
             lr_scheduler_type="constant", max_completion_length=settings["completion_length"], beta=0.5,
             generation_kwargs={"do_sample": False}, logging_strategy="no", save_strategy="no", report_to="none",
             disable_tqdm=True, seed=0, use_cpu=True, bf16=False, gradient_checkpointing=False,
@@ -69,7 +72,8 @@ def worker(name: str, settings: dict, threads: int) -> dict:
             "cpu_seconds": cpu_seconds, "pairs_per_cpu_s": completions / cpu_seconds,
             "steps": trainer.state.global_step,
             "train_loss": result.training_loss, "positions_per_pair": float(settings["completion_length"]),
-            "threads": torch.get_num_threads(), "load_before": load_before, "load_after": os.getloadavg()[0]}
+            "threads": torch.get_num_threads(), "load_before": load_before, "load_after": os.getloadavg()[0],
+            "activation_checkpointing": False}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     for key in ("pairs", "steps"):
         if len({run[key] for run in runs}) != 1:
             raise AssertionError(f"runs trained on different work: {key}")
+    losses = [run["train_loss"] for run in runs]
+    if max(losses) - min(losses) > 1e-4 * max(abs(min(losses)), 1e-3):
+        raise AssertionError(f"the runs' losses differ ({losses}): not the same completions")
     summary = harness.summarize_pairs(runs, list(CONFIGS), cli.repeats, "trl")
     table = harness.pairs_table(summary).replace("pairs/s", "completions/s").replace("per pair", "per completion")
     notes = [f"Same work in every run: {runs[0]['pairs']} greedy completions of {settings['completion_length']} "
