@@ -5,9 +5,9 @@
     accelerate launch recipes/distill.py --model_name_or_path <student> --teacher_model_name_or_path <teacher> \
         --dataset_name <prompts>
 
-Toy task: the teacher is the SFT recipe's policy (`sft_model_path`, default `outputs/sft`, a 0.9M "small" Llama;
-built first with recipes/sft.py when missing); the student is a 4x smaller "tiny" Llama given a short SFT start
-(`student_model_path`, default `outputs/sft_student`, built with `student_config` when missing). The student is
+Toy task: the teacher is the SFT recipe's policy (`sft_model_path`, default `outputs/sft`, a 0.9M 4-layer Llama;
+built first with recipes/sft.py when missing); the student has half its size: the teacher with only two of its four
+decoder layers (`student_layers`, DistilBERT's initialisation; or any model at `student_model_path`). The student is
 distilled on the teacher's greedy answers to the training prompts (`lmbda` of the rollouts sampled by the student
 itself, the rest those answers), and, for comparison, the same student is trained by SFT on the same answers with
 the same number of samples (off-policy distillation). Printed and written to results.json: held-out greedy exact
@@ -48,12 +48,11 @@ class ScriptArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
     dataset_test_split: str | None = field(default="test", metadata={"help": "Held-out split (if present)."})
-    student_model_path: str = field(
-        default="outputs/sft_student", metadata={"help": "Toy task: the student to start from; built with "
-                                                         "recipes/sft.py and student_config when missing."})
-    student_config: str | None = field(
-        default=None, metadata={"help": "Toy task: the SFT config the student start is built with "
-                                        "(None: recipes/configs/sft_student_toy.yaml)."})
+    student_model_path: str | None = field(
+        default=None, metadata={"help": "Toy task: the student to start from. None: the teacher with only its "
+                                        "`student_layers` decoder layers (saved as <output_dir>/student_init)."})
+    student_layers: str = field(
+        default="0,2", metadata={"help": "Toy task: the teacher's decoder layers the student keeps (comma-separated)."})
     compare_sft: bool = field(
         default=True, metadata={"help": "Toy task: also train the student by SFT on the teacher's greedy answers "
                                         "(the same number of samples) and report it beside the distilled one."})
@@ -90,10 +89,7 @@ def toy_data(script_args, toy_args, model_config, args) -> dict:
         timings["teacher_build_s"] = build_missing(toy_args.sft_model_path, "sft.py", config, toy_args.build_threads,
                                                    toy_args.build_missing)
         args.teacher_model_name_or_path = toy_args.sft_model_path
-    if model_config.model_name_or_path is None:
-        config = script_args.student_config or os.path.join(RECIPES, "configs", "sft_student_toy.yaml")
-        timings["student_build_s"] = build_missing(script_args.student_model_path, "sft.py", config,
-                                                   toy_args.build_threads, toy_args.build_missing)
+    if model_config.model_name_or_path is None and script_args.student_model_path is not None:
         model_config.model_name_or_path = script_args.student_model_path
     return {"train": prompt_dataset(toy_args.toy_train_size, seed=toy_args.toy_seed + 1, split="train"),
             "held_out": prompt_dataset(toy_args.toy_test_size, seed=toy_args.toy_seed, split="test"),
@@ -112,6 +108,18 @@ def exact_match(model, tokenizer, rows, script_args, batch_size: int) -> dict:
 
     out = evaluate_completions(model, tokenizer, rows, reward, script_args.max_new_tokens, batch_size, check_answers)
     return {"exact_match": out["exact_match"]}
+
+
+def student_from_teacher(teacher, tokenizer, script_args, output_dir: str) -> str:
+    """The teacher with only its `student_layers` decoder layers, saved under `output_dir`; its path."""
+    from hf_rlhf.toy.models import keep_layers
+
+    layers = [int(i) for i in script_args.student_layers.split(",")]
+    path = os.path.join(output_dir, "student_init")
+    keep_layers(teacher, layers).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    print(f"[hf_rlhf] student: the teacher's decoder layers {layers} ({path})", flush=True)
+    return path
 
 
 def teacher_answers(teacher, tokenizer, rows, script_args, batch_size: int):
@@ -169,8 +177,6 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError("give the student with --model_name_or_path and the teacher with "
                              "--teacher_model_name_or_path")
         data = {"timings": {}}
-    print(f"[hf_rlhf] distillation: student {model_config.model_name_or_path}, teacher "
-          f"{args.teacher_model_name_or_path} (beta={args.beta}, lmbda={args.lmbda})", flush=True)
     results = {"task": "toy" if toy else script_args.dataset_name, "student": model_config.model_name_or_path,
                "teacher_path": args.teacher_model_name_or_path}
     batch = args.per_device_eval_batch_size
@@ -179,9 +185,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         teacher_config = ModelConfig(model_name_or_path=args.teacher_model_name_or_path)
         teacher, tokenizer = load_model(teacher_config), load_tokenizer(teacher_config)
+        if model_config.model_name_or_path is None:  # the teacher's own weights, half of its layers
+            model_config.model_name_or_path = student_from_teacher(teacher, tokenizer, script_args, args.output_dir)
         results["teacher"] = exact_match(teacher, tokenizer, data["held_out"], script_args, batch)
         train = teacher_answers(teacher, tokenizer, train, script_args, batch)
         del teacher
+    print(f"[hf_rlhf] distillation: student {model_config.model_name_or_path}, teacher "
+          f"{args.teacher_model_name_or_path} (beta={args.beta}, lmbda={args.lmbda})", flush=True)
     trainer = DistillationTrainer(model_config.model_name_or_path, args=args, train_dataset=train, eval_dataset=test,
                                   model_config=model_config)
 
