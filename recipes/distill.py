@@ -6,8 +6,8 @@
         --dataset_name <prompts>
 
 Toy task: the teacher is the SFT recipe's policy (`sft_model_path`, default `outputs/sft`, a 0.9M 4-layer Llama;
-built first with recipes/sft.py when missing); the student has half its size: the teacher with only two of its four
-decoder layers (`student_layers`, DistilBERT's initialisation; or any model at `student_model_path`). The student is
+built first with recipes/sft.py when missing); the student is the teacher with three of its four decoder layers
+(`student_layers`: DistilBERT's initialisation, 3/4 of the parameters; or any model at `student_model_path`). It is
 distilled on the teacher's greedy answers to the training prompts (`lmbda` of the rollouts sampled by the student
 itself, the rest those answers), and, for comparison, the same student is trained by SFT on the same answers with
 the same number of samples (off-policy distillation). Printed and written to results.json: held-out greedy exact
@@ -52,13 +52,14 @@ class ScriptArguments:
         default=None, metadata={"help": "Toy task: the student to start from. None: the teacher with only its "
                                         "`student_layers` decoder layers (saved as <output_dir>/student_init)."})
     student_layers: str = field(
-        default="0,2", metadata={"help": "Toy task: the teacher's decoder layers the student keeps (comma-separated)."})
+        default="0,1,3", metadata={"help": "Toy task: the teacher's decoder layers the student keeps (comma-separated)."})
     compare_sft: bool = field(
         default=True, metadata={"help": "Toy task: also train the student by SFT on the teacher's greedy answers "
                                         "(the same number of samples) and report it beside the distilled one."})
     sft_learning_rate: float | None = field(
         default=None, metadata={"help": "Toy task: the SFT comparison's learning rate (None: the distillation's)."})
     max_new_tokens: int = field(default=8, metadata={"help": "Toy task: greedy answer length for exact match."})
+    num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (None: torch's)."})
 
 
 def build_missing(path: str, script: str, config: str, threads: int | None, allowed: bool) -> float:
@@ -163,6 +164,10 @@ def print_table(results: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     script_args, toy_args, model_config, args = parse_recipe_args(
         (ScriptArguments, ToyChainArguments, ModelConfig, DistillationConfig), argv, TOY_CONFIG)
+    if script_args.num_threads:
+        import torch
+
+        torch.set_num_threads(script_args.num_threads)
     toy = is_toy_run(script_args)
     resume = resume_argument(args.resume_from_checkpoint)
     start = time.perf_counter()
