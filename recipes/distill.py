@@ -52,7 +52,8 @@ class ScriptArguments:
         default=None, metadata={"help": "Toy task: the student to start from. None: the teacher with only its "
                                         "`student_layers` decoder layers (saved as <output_dir>/student_init)."})
     student_layers: str = field(
-        default="0,1,3", metadata={"help": "Toy task: the teacher's decoder layers the student keeps (comma-separated)."})
+        default="0,1,3", metadata={"help": "Toy task: the teacher's decoder layers the student keeps "
+                                           "(comma-separated)."})
     compare_sft: bool = field(
         default=True, metadata={"help": "Toy task: also train the student by SFT on the teacher's greedy answers "
                                         "(the same number of samples) and report it beside the distilled one."})
