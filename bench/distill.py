@@ -9,6 +9,7 @@ tests/compat/test_trl_distillation.py does the same per step).
 
     hf_rlhf     `DistillationTrainer`: PPOTrainer's rollout (generation_backend="generate"), the divergence from the
                 full logits at this vocabulary (chunked above 4,096 entries: `chunked_lm_head=None`).
+    hf_rlhf_lean  the same with `generation_backend="lean"` (hf_rlhf's own decoding loop: the same greedy tokens).
     trl         `trl.DistillationTrainer` 1.16 (its chunked divergence kernel, the torch path on a CPU).
 
 completions/s = completions trained on / wall time of `trainer.train()` (model loading excluded); peak RSS: the
@@ -26,7 +27,8 @@ import sys
 
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
-CONFIGS = ("hf_rlhf", "trl")
+CONFIGS = ("hf_rlhf", "hf_rlhf_lean", "trl")
+EXTRA = {"hf_rlhf_lean": {"generation_backend": "lean"}}  # hf_rlhf's own decoding loop (hf_rlhf.generation)
 # the prompts are one generation batch, so every step trains on all of them whatever order each library draws them
 # in: the completions, the work and the losses are the same
 PRESETS = {
@@ -44,7 +46,7 @@ def worker(name: str, settings: dict, threads: int) -> dict:
     from hf_rlhf.toy import build_toy_model, build_toy_tokenizer, prompt_dataset
 
     torch.set_num_threads(threads)
-    lib = __import__(name)
+    lib = __import__(name.removesuffix("_lean"))
     tokenizer = build_toy_tokenizer()
     prompts = prompt_dataset(settings["batch_size"], seed=0)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON
@@ -60,7 +62,7 @@ def worker(name: str, settings: dict, threads: int) -> dict:
             lr_scheduler_type="constant", max_completion_length=settings["completion_length"], beta=0.5,
             generation_kwargs={"do_sample": False}, logging_strategy="no", save_strategy="no", report_to="none",
             disable_tqdm=True, seed=0, use_cpu=True, bf16=False, gradient_checkpointing=False,
-            model_init_kwargs=init, teacher_model_init_kwargs=init, dataloader_num_workers=0)
+            model_init_kwargs=init, teacher_model_init_kwargs=init, dataloader_num_workers=0, **EXTRA.get(name, {}))
         trainer = lib.DistillationTrainer(model=paths["student"], teacher_model=paths["teacher"], args=args,
                                           train_dataset=prompts, processing_class=tokenizer)
         load_before = os.getloadavg()[0]
