@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "AdaptiveKLController": "hf_rlhf.rl.kl",
     "DPOConfig": "hf_rlhf.trainers.dpo_config",
+    "DistillationConfig": "hf_rlhf.trainers.distillation_config",
+    "DistillationTrainer": "hf_rlhf.trainers.distillation_trainer",
     "DPOTrainer": "hf_rlhf.trainers.dpo_trainer",
     "FixedKLController": "hf_rlhf.rl.kl",
     "GRPOConfig": "hf_rlhf.trainers.grpo_config",
@@ -35,6 +37,8 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .rl.kl import AdaptiveKLController, FixedKLController
+    from .trainers.distillation_config import DistillationConfig
+    from .trainers.distillation_trainer import DistillationTrainer
     from .trainers.dpo_config import DPOConfig
     from .trainers.dpo_trainer import DPOTrainer
     from .trainers.grpo_config import GRPOConfig

@@ -7,9 +7,9 @@
     hf-rlhf env
     hf-rlhf plan sft --model_name_or_path qwen2.5-0.5b --max_length 2048   # the predicted peak memory
 
-A training subcommand (`sft`, `reward`, `ppo`, `dpo`, `kto` once its recipe exists, `chain`) takes the options
-and `--config file.yaml` of its recipe and runs that recipe's `main()`: the same code as `python recipes/<name>.py`.
-It runs under `accelerate launch` as `trl <command>` does (`hf_rlhf.cli.launch`). A bad invocation prints one
+A training subcommand (`sft`, `reward`, `ppo`, `dpo`, `kto`, `distill` once its recipe exists, `chain`) takes the
+options and `--config file.yaml` of its recipe and runs that recipe's `main()`: the same code as
+`python recipes/<name>.py`. It runs under `accelerate launch` as `trl <command>` does (`hf_rlhf.cli.launch`). A bad invocation prints one
 `[hf_rlhf] error: ...` line and exits 2; a bad input found by the recipe exits 1, as the recipe does.
 """
 
@@ -33,6 +33,7 @@ COMMANDS = {
     "ppo": ("ppo", "PPO, GRPO, RLOO, REINFORCE++ on a reward model or function (recipes/ppo.py)"),
     "dpo": ("dpo", "direct preference optimisation (recipes/dpo.py)"),
     "kto": ("kto", "Kahneman-Tversky optimisation from unpaired good / bad labels (recipes/kto.py)"),
+    "distill": ("distill", "on-policy distillation of a teacher into a student (recipes/distill.py)"),
     "merge": (None, "merge a LoRA adapter into its base model (hf_rlhf.models.merge)"),
     "plan": (None, "predict a run's peak memory, part by part, before the run (hf_rlhf.training.memory_plan)"),
     "env": (None, "print the versions of torch, transformers, trl, peft, accelerate, deepspeed, bitsandbytes and the "

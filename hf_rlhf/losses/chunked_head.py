@@ -45,6 +45,12 @@ def _transform(z: torch.Tensor, scale: float, softcap: float | None, temperature
     return z, capped
 
 
+def final_logits(z: torch.Tensor, scale: float = 1.0, softcap: float | None = None,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """The model's logits from its head's raw output z (..., V): scaled, soft-capped, divided by `temperature`."""
+    return _transform(z, scale, softcap, temperature)[0]
+
+
 class TokenScores(NamedTuple):
     """Per-token outputs, each (N,) float32 (top1 bool), None where not asked for."""
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..losses.chunked_head import TokenScores, chunked_token_logprobs, module_token_logprobs
+from ..losses.chunked_head import TokenScores, chunked_token_logprobs, final_logits, module_token_logprobs
 from .adapters import unwrap_peft
 
 logger = logging.getLogger("hf_rlhf")
@@ -57,6 +57,13 @@ class LMHead:
         if type(self.module) is nn.Linear:
             return chunked_token_logprobs(hidden, self.module.weight, self.module.bias, labels, **options)
         return module_token_logprobs(hidden, self.module, labels, self.vocab_size, **options)
+
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits (c, V), float32, of hidden states (c, H): the head, then its scale and soft cap (for a
+        chunk of tokens at a time: `hf_rlhf.losses.distillation.chunked_divergence`)."""
+        z = self.module(hidden.to(_device_of(self.module)))
+        return final_logits(z.to(torch.promote_types(z.dtype, torch.float32)), self.scale, self.softcap)
 
 
 def _device_of(module: nn.Module) -> torch.device:

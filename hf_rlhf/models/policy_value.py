@@ -226,6 +226,17 @@ def response_logits(model: nn.Module, query_ids, query_mask, response_ids, respo
     return logits / temperature, values, extra
 
 
+def response_hidden(model: nn.Module, query_ids, query_mask, response_ids, response_mask,
+                    share_prompts: bool = False) -> torch.Tensor:
+    """The last hidden states (B, R, H) that predict each response token: the LM head's inputs, no logits.
+
+    Args: as `response_logits` (`model` a `PolicyAndValue`, possibly wrapped, or a causal LM / `PeftModel`).
+    """
+    hidden, _, _ = _response_outputs(model, query_ids, query_mask, response_ids, response_mask, None, share_prompts,
+                                     hidden=True)
+    return hidden
+
+
 def response_scores(model: nn.Module, head: LMHead | None, query_ids, query_mask, response_ids, response_mask,
                     temperature: float = 1.0, share_prompts: bool = False, entropy_grad: bool = False,
                     extra_rows: tuple[torch.Tensor, torch.Tensor] | None = None):

@@ -64,3 +64,24 @@ def build_toy_reward_model(tokenizer, size: str = "tiny", seed: int = 0):
     # the score is read at the last non-pad token, which needs pad_token_id
     config.pad_token_id = tokenizer.pad_token_id
     return _seeded(lambda: LlamaForSequenceClassification(config), seed)
+
+
+def keep_layers(model, layers: list[int]):
+    """A copy of a toy `LlamaForCausalLM` with only the decoder `layers` (by index, in order): a smaller student that
+    starts from the teacher's own weights (DistilBERT's initialisation, Sanh et al. 2019, every other layer).
+
+    Embeddings, final norm and LM head are copied as they are; each kept layer's attention is renumbered for the KV
+    cache.
+    """
+    import copy
+
+    import torch
+
+    if not layers or sorted(set(layers)) != list(layers) or layers[-1] >= model.config.num_hidden_layers:
+        raise ValueError(f"layers must be increasing indices below {model.config.num_hidden_layers}, got {layers}")
+    student = copy.deepcopy(model)
+    student.model.layers = torch.nn.ModuleList([student.model.layers[i] for i in layers])
+    for index, layer in enumerate(student.model.layers):
+        layer.self_attn.layer_idx = index
+    student.config.num_hidden_layers = len(layers)
+    return student

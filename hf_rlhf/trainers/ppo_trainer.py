@@ -153,6 +153,7 @@ class PPOTrainer(BaseTrainer):
     tag_names = ("hf_rlhf", "trl", "ppo")
     default_output_dir = "ppo-output"
     loss_is_scaled_for_ga = True  # compute_loss divides by the minibatch's token count (see get_batch_samples)
+    evaluates = False  # no evaluation loop (a subclass with its own `evaluate` takes eval_dataset / eval_strategy)
 
     def __init__(self, model, reward_model, args: PPOConfig | None = None, train_dataset=None, processing_class=None,
                  value_model=None, ref_model=None, reward_processing_class=None, peft_config=None,
@@ -173,7 +174,7 @@ class PPOTrainer(BaseTrainer):
         if data_collator is not None and not isinstance(data_collator, DataCollatorWithPadding):
             raise ValueError("PPOTrainer batches and left-pads the prompts itself for generation; data_collator "
                              f"(a {type(data_collator).__name__}) would not be used. Leave it None.")
-        if eval_dataset is not None or args.eval_strategy != "no":
+        if not self.evaluates and (eval_dataset is not None or args.eval_strategy != "no"):
             raise NotImplementedError("PPOTrainer has no evaluation loop: leave eval_strategy='no' and evaluate the "
                                       "policy (trainer.model.policy) in a callback, e.g. with hf_rlhf.toy.exact_match.")
         # the prompt rows are checked before any model is loaded: a bad row fails in seconds, naming row and field
@@ -239,7 +240,8 @@ class PPOTrainer(BaseTrainer):
         if args.reward_normalization == "running":
             own.append(RewardStatsCallback())
         super().__init__(model=module, args=args, train_dataset=train_dataset, processing_class=processing_class,
-                         callbacks=own + list(callbacks or []), optimizers=optimizers)
+                         callbacks=own + list(callbacks or []), optimizers=optimizers,
+                         eval_dataset=eval_dataset if self.evaluates else None)
 
         self.ref_model = self._prepare_frozen(ref_model)
         if isinstance(reward_source, ModelReward):

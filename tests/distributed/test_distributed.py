@@ -182,7 +182,7 @@ def reloaded_outputs(task: str, out: Path) -> torch.Tensor:
 
     tokenizer = _tokenizer()
     ids, mask = _inputs(tokenizer)
-    if task in ("sft", "dpo", "kto", *PPO_TASKS):
+    if task in ("sft", "dpo", "kto", "distill", *PPO_TASKS):
         model = AutoModelForCausalLM.from_pretrained(out).eval()
         logits = model(input_ids=ids, attention_mask=mask).logits
         if task not in ("sft", "dpo", "kto", "ppo"):  # critic-free: no value function saved
@@ -386,3 +386,24 @@ def test_reward_recipe_trains_under_zero2(tmp_path):
     results = json.loads((out / "reward" / "results.json").read_text())
     assert results["before"] == {} and "DeepSpeed" in results["notes"][0]
     assert 0.0 <= results["after"]["accuracy"] <= 1.0 and results["after"]["loss"] > 0
+
+
+@pytest.mark.slow
+def test_distillation_under_ddp_matches_one_process(tmp_path, runs):
+    """DistillationTrainer (greedy student rollouts, a frozen teacher, the JSD over the step's tokens): 2 DDP ranks x
+    4 rows give the single-process losses and gradient norms, and the saved student reloads to the same logits.
+    Launched on its own (not in `LAUNCHES`), so the other tasks' launches are not paid for it."""
+    results = {}
+    for engine in (None, "ddp"):
+        out = tmp_path / (engine or "single")
+        run(launch_cmd(engine, "--task", "distill", "--out", str(out), "--steps", str(STEPS), "--global_batch",
+                       str(GLOBAL_BATCH), "--policy_path", runs.policy_dir()), out, timeout=900)
+        results[engine] = json.loads((out / "distill" / "losses.json").read_text())
+    single, multi = results[None], results["ddp"]
+    assert multi["world_size"] == 2 and len(single["loss"]) == len(multi["loss"]) == STEPS
+    assert multi["loss"] == pytest.approx(single["loss"], abs=TOLERANCE) and single["loss"][-1] != single["loss"][0]
+    norms = [[h["grad_norm"] for h in r["log_history"] if "grad_norm" in h] for r in (multi, single)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-3) and min(norms[1]) > 0
+    torch.testing.assert_close(reloaded_outputs("distill", tmp_path / "ddp" / "distill" / "out"),
+                               reloaded_outputs("distill", tmp_path / "single" / "distill" / "out"),
+                               atol=TOLERANCE, rtol=2e-3)

@@ -1,7 +1,8 @@
 """Tiny training runs for the distributed tests, launched by `torchrun` / `accelerate launch` (or plain python).
 
     python tests/distributed/worker.py --task TASK[,TASK...] --out DIR [--steps 4] [--global_batch 8]
-        TASK: sft, sft_lora, reward, dpo, dpo_lora, kto, ppo, grpo, rloo, reinforce_pp, grpo_dynamic or grpo_tools,
+        TASK: sft, sft_lora, reward, dpo, dpo_lora, kto, ppo, grpo, rloo, reinforce_pp, grpo_dynamic, grpo_tools or
+        distill,
         optionally ending in @<generation_backend> (PPO tasks; default generate), e.g. ppo@lean
     python tests/distributed/worker.py --recipe ppo --out DIR <recipe options>   # records who writes what
 
@@ -33,7 +34,7 @@ import torch
 from hf_rlhf.cli.errors import close_process_group
 
 TASKS = ("sft", "sft_lora", "reward", "dpo", "dpo_lora", "kto", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic",
-         "grpo_tools")
+         "grpo_tools", "distill")
 # PPOTrainer's critic-free estimators, each with the options whose statistics cross ranks: GRPO's k3 in the loss with
 # the per-sequence loss_type, RLOO's batch-whitened advantages, REINFORCE++'s globally whitened returns
 ESTIMATORS = {
@@ -242,6 +243,14 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
     # sharded by zero.Init under ZeRO-3, and the frozen reference is loaded again from that path
     # The critic-free estimators (`task` in ESTIMATORS) run the same with their options and no value head.
     model = policy_path or build_toy_model(tokenizer, "tiny", seed=0)
+    if task == "distill":  # greedy rollouts of the student, a frozen teacher of another seed, JSD
+        from hf_rlhf import DistillationConfig, DistillationTrainer
+
+        teacher = build_toy_model(tokenizer, "tiny", seed=1)
+        args = DistillationConfig(**common, learning_rate=3e-3, gradient_accumulation_steps=2, beta=0.5,
+                                  max_completion_length=6, generation_kwargs={"do_sample": False})
+        return DistillationTrainer(model, teacher, args=args, train_dataset=prompt_dataset(64, seed=0),
+                                   processing_class=tokenizer)
     if task == "grpo_tools":
         return grpo_tools_trainer(common, model, per_device)
     options = ESTIMATORS.get(task, {})

@@ -143,7 +143,7 @@ def test_the_console_scripts_point_at_the_commands():
 def test_help_lists_every_command_on_one_line(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("chain", "sft", "reward", "ppo", "merge", "env"):
+    for name in ("chain", "sft", "reward", "ppo", "distill", "merge", "env"):
         assert any(line.split()[:1] == [name] for line in out.splitlines()), name
     assert ("dpo" in available_commands()) == os.path.isfile(os.path.join(ROOT, "recipes", "dpo.py"))
 

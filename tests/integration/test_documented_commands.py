@@ -46,6 +46,9 @@ TINY = {
     "kto": ["--toy_train_size", "16", "--toy_test_size", "4", "--max_steps", "1", "--per_device_train_batch_size", "8",
             "--per_device_eval_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true",
             "--build_missing", "false"],
+    "distill": ["--toy_train_size", "16", "--toy_test_size", "4", "--max_steps", "1", "--per_device_train_batch_size",
+                "8", "--per_device_eval_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true",
+                "--build_missing", "false"],
 }
 
 
@@ -79,6 +82,7 @@ def documented_commands() -> list[tuple[str, str]]:
     import ast
 
     for rel in ("recipes/sft.py", "recipes/reward.py", "recipes/ppo.py", "recipes/dpo.py", "recipes/kto.py",
+                "recipes/distill.py",
                 "hf_rlhf/cli/main.py",
                 "hf_rlhf/models/merge.py"):
         path = os.path.join(ROOT, rel)
@@ -114,7 +118,7 @@ def test_the_commands_are_found():
 
 
 def resolve(command: str) -> tuple[str, str | None, list[str], list[str]]:
-    """(kind, name, arguments, launch options) of a command: kind "recipe" (name: sft / reward / ppo / dpo),
+    """(kind, name, arguments, launch options) of a command: kind "recipe" (name: sft / reward / ppo / dpo / distill),
     "cli" (the `hf-rlhf` arguments), "merge"."""
     command = re.sub(r"\s*\[[^\]]*\]", "", command)  # optional parts, [--dtype float32]
     command = re.sub(r"\$[A-Z_]+", "0", command)  # $NODE_RANK, $MASTER_ADDR: the user's values
@@ -199,6 +203,8 @@ def few_steps(name: str, args: list[str], out: str, prebuilt: dict) -> list[str]
         extra += ["--sft_model_path", prebuilt["sft"]]
     if name in ("dpo", "kto"):
         extra += ["--sft_model_path", prebuilt["sft"]]
+    if name == "distill":  # the tiny SFT policy as teacher and as the student's start
+        extra += ["--sft_model_path", prebuilt["sft"], "--student_model_path", prebuilt["sft"]]
     if name == "ppo":
         sft_model = prebuilt["sft_tools"] if is_tools_toy(args) else prebuilt["sft"]
         extra += ["--sft_model_path", sft_model, "--reward_model_path", prebuilt["reward"]]
@@ -236,7 +242,7 @@ def test_documented_command_runs(where, command, tmp_path, monkeypatch, prebuilt
 
     if kind == "cli":
         command_name = args[0] if args else None
-        if command_name in ("sft", "reward", "ppo", "dpo", "kto", "chain") and "--help" not in args:
+        if command_name in ("sft", "reward", "ppo", "dpo", "kto", "distill", "chain") and "--help" not in args:
             recipe_name = cli.COMMANDS[command_name][0]
             launched = []
             monkeypatch.setattr("accelerate.commands.launch.launch_command", lambda a: launched.append(a))

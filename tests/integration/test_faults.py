@@ -31,7 +31,7 @@ from hf_rlhf.training.nonfinite import NonFiniteError
 pytestmark = pytest.mark.integration
 
 SAVE_DELAY = 0.2  # seconds each slowed write of the killed save takes
-NOT_COMPARED = {"tokens_per_second"}  # wall-clock; SFT's num_tokens goes on from the checkpoint and is compared
+NOT_COMPARED = {"tokens_per_second", "step_time"}  # wall-clock; SFT's num_tokens is compared
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +48,7 @@ def digit_reward(prompts, completions, **kwargs):
 
 
 def build(kind, output_dir, tokenizer, callbacks=(), trainer_class=None, reward=digit_reward, **kw):
-    common = dict(max_steps=8 if kind == "ppo" else 6, output_dir=str(output_dir), logging_steps=1,
+    common = dict(max_steps=8 if kind in ("ppo", "distill") else 6, output_dir=str(output_dir), logging_steps=1,
                   save_strategy="steps", save_steps=2, report_to="none", seed=0, disable_tqdm=True, learning_rate=3e-3)
     common.update(kw)
     if kind == "sft":
@@ -73,8 +73,18 @@ def build(kind, output_dir, tokenizer, callbacks=(), trainer_class=None, reward=
         return (trainer_class or KTOTrainer)(build_toy_model(tokenizer, "tiny", seed=0), args=args,
                                              train_dataset=unpaired_dataset(32, seed=1),
                                              processing_class=tokenizer, callbacks=list(callbacks))
-    # PPO: a rollout = 2 mini-batches x 2 ppo epochs = 4 optimizer steps; checkpoint-6 cuts a rollout
     from hf_rlhf.toy import prompt_dataset
+
+    if kind == "distill":  # a rollout of 8 rows = 4 optimizer steps of 2; checkpoint-6 cuts a rollout
+        from hf_rlhf import DistillationConfig, DistillationTrainer
+
+        args = DistillationConfig(per_device_train_batch_size=2, rollout_batch_size=8, max_completion_length=6,
+                                  beta=0.5, **common)
+        return (trainer_class or DistillationTrainer)(build_toy_model(tokenizer, seed=0),
+                                                      build_toy_model(tokenizer, seed=1), args=args,
+                                                      train_dataset=prompt_dataset(16, seed=0),
+                                                      processing_class=tokenizer, callbacks=list(callbacks))
+    # PPO: a rollout = 2 mini-batches x 2 ppo epochs = 4 optimizer steps; checkpoint-6 cuts a rollout
 
     common = {"kl_target": 0.5, "kl_horizon": 40, "reward_normalization": "running", **common}
     args = PPOConfig(per_device_train_batch_size=2, gradient_accumulation_steps=1, num_mini_batches=2,
@@ -84,7 +94,7 @@ def build(kind, output_dir, tokenizer, callbacks=(), trainer_class=None, reward=
                                          callbacks=list(callbacks))
 
 
-TARGET_STEP = {"sft": 4, "reward": 4, "dpo": 4, "kto": 4, "ppo": 6}
+TARGET_STEP = {"sft": 4, "reward": 4, "dpo": 4, "kto": 4, "ppo": 6, "distill": 6}
 
 
 def step_logs(trainer, after=0):
@@ -241,7 +251,7 @@ def test_a_child_killed_inside_a_progress_bar_leaves_the_parents_bars_working():
     assert not bars.is_alive(), "the parent's progress bar waits for a lock the killed child held"
 
 
-@pytest.mark.parametrize("kind", ["sft", "reward", "dpo", "kto", "ppo"])
+@pytest.mark.parametrize("kind", ["sft", "reward", "dpo", "kto", "ppo", "distill"])
 def test_kill_inside_and_between_saves_then_resume_is_exact(tmp_path, tokenizer, kind, caplog):
     full = build(kind, tmp_path / "full", tokenizer)
     full.train()

@@ -1,4 +1,4 @@
-"""Run TRL's own SFT, reward, DPO and KTO test modules against trl and against hf_rlhf (issues 20, 43).
+"""Run TRL's own SFT, reward, DPO, KTO and distillation test modules against trl and against hf_rlhf (issues 20, 43).
 
     git -C <trl mirror> archive HEAD tests scripts | tar -x -C /tmp/trl-src
     PYTHONPATH=. python tests/compat/trl_tests/run_trl_tests.py --trl-tests /tmp/trl-src
@@ -26,7 +26,8 @@ from pathlib import Path
 
 
 HERE = Path(__file__).resolve().parent
-MODULES = ["test_sft_trainer.py", "test_reward_trainer.py", "test_dpo_trainer.py", "test_kto_trainer.py"]
+MODULES = ["test_sft_trainer.py", "test_reward_trainer.py", "test_dpo_trainer.py", "test_kto_trainer.py",
+           "experimental/test_distillation_trainer.py"]
 # TRL tests that fail on hf_rlhf on purpose (docs/trl_compatibility.md), each with its own test in
 # tests/integration/test_trl_preparation.py (KTO's: tests/integration/test_kto_trainer.py)
 DELIBERATE = {
@@ -47,6 +48,8 @@ REWRITES = {
     "from trl import RewardConfig, RewardTrainer": "from hf_rlhf import RewardConfig, RewardTrainer",
     "from trl import DPOConfig, DPOTrainer": "from hf_rlhf import DPOConfig, DPOTrainer",
     "from trl import KTOConfig, KTOTrainer": "from hf_rlhf import KTOConfig, KTOTrainer",
+    "from trl.experimental.distillation import DistillationConfig, DistillationTrainer":
+        "from hf_rlhf import DistillationConfig, DistillationTrainer",
 }
 
 
@@ -60,7 +63,10 @@ def prepare(trl_tests, dest, target, modules):
             assert hits, f"no trainer import line found in {name}"
             for line in hits:
                 text = text.replace(line, REWRITES[line])
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         (pkg / name).write_text(text)
+        if (pkg / name).parent != pkg:
+            (pkg / name).parent.joinpath("__init__.py").touch()
     shutil.copytree(trl_tests / "data", pkg / "data")  # chat templates etc. for the lazy_shared_datadir fixture
     return pkg
 
@@ -68,7 +74,8 @@ def prepare(trl_tests, dest, target, modules):
 def run_pytest(pkg, module, junit, timeout, extra):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_HUB_CACHE=str(Path(os.environ["TRL_OFFLINE_CACHE"]) / "hub"), TRL_TEST_TIMEOUT=str(timeout),
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               # this checkout's hf_rlhf (a relative PYTHONPATH=. would not hold in the copies' directory)
+               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parents[2]), os.environ.get("PYTHONPATH", "")]),
                CUDA_VISIBLE_DEVICES="", WANDB_DISABLED="true")
     cmd = [sys.executable, "-m", "pytest", str(pkg / module), "-p", "trl_offline_plugin", "-p", "no:cacheprovider",
            "-v", "-rN", "--tb=line", f"--junitxml={junit}", f"--rootdir={pkg.parent}", *extra]
@@ -120,7 +127,7 @@ def main(argv=None):
         print(f"pytest logs: {tmp}/<target>-<module>.log", flush=True)
         pkgs = {t: prepare(args.trl_tests / "tests", tmp / t, t, args.modules) for t in ("trl", "hf_rlhf")}
         for module in args.modules:
-            junits = {t: tmp / f"{t}-{module}.xml" for t in pkgs}  # both targets side by side
+            junits = {t: tmp / f"{t}-{module.replace('/', '-')}.xml" for t in pkgs}  # both targets side by side
             procs = []
             for t, pkg in pkgs.items():
                 procs.append(run_pytest(pkg, module, junits[t], args.timeout, args.pytest_args))

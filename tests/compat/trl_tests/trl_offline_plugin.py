@@ -198,16 +198,28 @@ def _placeholder(qualname):
     return missing
 
 
+def _module_or_stand_in(name):
+    """The trl module `name`, or an empty stand-in registered under that name when the installed trl has no such
+    module (trl 1.16 moved `trl.experimental.distillation.distillation_trainer` to `trl.trainer`)."""
+    import importlib
+    import sys
+    import types
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        sys.modules[name] = module = types.ModuleType(name)
+        return module
+
+
 def _stand_in_missing_trl_names(paths):
     """TRL's test source may be newer than the installed trl: give the absent private names placeholders so the
     module imports, and mark the tests that use them n/a (pytest_collection_modifyitems)."""
-    import importlib
-
     files = {Path(p).resolve() for p in paths if p.endswith(".py")}
-    files |= {f.parent / "testing_utils.py" for f in files}
-    for file in files:
+    files |= {d / "testing_utils.py" for f in files for d in (f.parent, f.parent.parent)}
+    for file in (f for f in files if f.is_file()):
         for module, names in re.findall(r"^from (trl[\w.]*) import (\([^)]*\)|.*)$", file.read_text(), re.M):
-            mod = importlib.import_module(module)
+            mod = _module_or_stand_in(module)
             for name in re.findall(r"\w+", names):
                 if not hasattr(mod, name):
                     setattr(mod, name, _placeholder(f"{module}.{name}"))
