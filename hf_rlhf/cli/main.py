@@ -9,8 +9,9 @@
 
 A training subcommand (`sft`, `reward`, `ppo`, `dpo`, `kto`, `distill` once its recipe exists, `chain`) takes the
 options and `--config file.yaml` of its recipe and runs that recipe's `main()`: the same code as
-`python recipes/<name>.py`. It runs under `accelerate launch` as `trl <command>` does (`hf_rlhf.cli.launch`). A bad invocation prints one
-`[hf_rlhf] error: ...` line and exits 2; a bad input found by the recipe exits 1, as the recipe does.
+`python recipes/<name>.py`. It runs under `accelerate launch` as `trl <command>` does (`hf_rlhf.cli.launch`). A bad
+invocation prints one `[hf_rlhf] error: ...` line and exits 2; a bad input found by the recipe exits 1, as the recipe
+does.
 """
 
 from __future__ import annotations
