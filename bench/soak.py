@@ -1,7 +1,7 @@
 """Soak (issue 44, item 1): each trainer runs thousands of optimizer steps on the toy task in its own process, and its
 memory, threads, file descriptors and step time must stay flat from the end of warm-up to the end.
 
-    python bench/soak.py                                    # SFT, reward, DPO, PPO, GRPO, GRPO + tools, 2,000 steps
+    python bench/soak.py --plot docs/soak.png               # SFT, reward, DPO, PPO, GRPO, GRPO + tools, 2,000 steps
     python bench/soak.py --trainers sft,dpo --steps 300 --warmup 100 --out /tmp/soak.json
 
 The toy rows are longer than the default toy configs' and of varying length (a prompt carries 2-8 solved tasks
@@ -162,6 +162,32 @@ def build(kind: str, steps: int, output_dir: str, callbacks=()):
 # the inside probe (in the child)
 
 
+TOKENS = [0]  # prompt + completion tokens the trainer has computed on (the work of a step moves as a policy learns)
+
+
+def count_tokens(trainer, kind: str) -> None:
+    """Count the real tokens of every batch (SFT, reward, DPO: the collated attention mask) or rollout (PPO, GRPO:
+    the prompt and response masks of its experience) into `TOKENS`."""
+    if kind in ("sft", "reward", "dpo"):
+        collate = trainer.data_collator
+
+        def counted_collate(features):
+            batch = collate(features)
+            TOKENS[0] += int(sum(v.sum() for k, v in batch.items() if k.endswith("attention_mask")))
+            return batch
+
+        trainer.data_collator = counted_collate
+        return
+    make = trainer._make_experience
+
+    def counted_make(rows, indices, **kwargs):
+        experience, stats = make(rows, indices, **kwargs)
+        TOKENS[0] += int(experience.query_mask.sum() + experience.response_mask.sum())
+        return experience, stats
+
+    trainer._make_experience = counted_make
+
+
 def live_tensors(objects) -> int:
     import torch
 
@@ -180,7 +206,8 @@ def make_probe(path: str, window: int = WINDOW):
         def record(self, state, **extra):
             wall, cpu = time.perf_counter(), time.process_time()
             objects = gc.get_objects()
-            line = {"step": state.global_step, "time": time.time(), "blocks": sys.getallocatedblocks(),
+            line = {"step": state.global_step, "time": time.time(), "tokens": TOKENS[0],
+                    "blocks": sys.getallocatedblocks(),
                     "gc_objects": len(objects), "tensors": live_tensors(objects),
                     "log_entries": len(state.log_history), "log_bytes": len(json.dumps(state.log_history)), **extra}
             del objects
@@ -210,6 +237,7 @@ def worker(kind: str, steps: int, probe_path: str) -> None:
     torch.set_num_threads(1)  # one core's work: the other core samples, and the other jobs share the machine
     with tempfile.TemporaryDirectory(prefix=f"soak-{kind}-") as tmp:
         trainer = build(kind, steps, tmp, [make_probe(probe_path)])
+        count_tokens(trainer, kind)
         trainer.train()
 
 
@@ -289,6 +317,18 @@ def summarize(run: dict, warmup: int, windows_compared: int = 5) -> dict:
             out.update({f"{name}_warmup": round(t0, 2), f"{name}_end": round(t1, 2),
                         f"{name}_drift_pct": growth(t0, t1),
                         f"{name}_window_range": [round(min(every), 2), round(max(every), 2)]})
+    if early and late and "tokens" in probes[0]:
+        previous = {p["step"]: p["tokens"] for p in probes}
+
+        def tokens(p):  # tokens of the window
+            return max(p["tokens"] - previous[p["step"] - WINDOW], 1)
+
+        t0 = statistics.median(p["window_cpu_s"] * 1e6 / tokens(p) for p in early)  # CPU ms per 1,000 tokens
+        t1 = statistics.median(p["window_cpu_s"] * 1e6 / tokens(p) for p in late)
+        out.update(cpu_ms_per_1k_tokens_warmup=round(t0, 2), cpu_ms_per_1k_tokens_end=round(t1, 2),
+                   cpu_ms_per_1k_tokens_drift_pct=growth(t0, t1),
+                   tokens_per_step_warmup_end=[round(statistics.median(map(tokens, part)) / WINDOW)
+                                               for part in (early, late)])
     for key in ("blocks", "gc_objects", "tensors", "log_entries", "log_bytes"):
         out[f"{key}_warmup_end"] = [at_warmup[key], probes[-1][key]]
     out["load_range"] = [round(min(s["load"] for s in samples), 1), round(max(s["load"] for s in samples), 1)]
@@ -297,19 +337,22 @@ def summarize(run: dict, warmup: int, windows_compared: int = 5) -> dict:
 
 def table(summaries: list[dict]) -> str:
     lines = ["| trainer | steps | RSS MiB warm-up → end (growth; max after warm-up) | step ms warm-up → end (drift; "
-             "window range) | CPU ms per step (drift) | threads | fds | live tensors | gc objects | log_history "
-             "(entries, KiB) | wall |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "window range) | CPU ms per step (drift) | CPU ms per 1k tokens (drift; tokens per step) | threads | "
+             "fds | live tensors | gc objects | log_history (entries, KiB) | wall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         if "rss_growth_pct" not in s or "step_ms_drift_pct" not in s:
-            lines.append(f"| {s['trainer']} | {s['steps']} | too short to compare | | | | | | | | |")
+            lines.append(f"| {s['trainer']} | {s['steps']} | too short to compare | | | | | | | | | |")
             continue
         lines.append(
             f"| {s['trainer']} | {s['steps']:,} | {s['rss_mib_warmup']} → {s['rss_mib_end']} "
             f"({s['rss_growth_pct']:+} %; {s['rss_mib_max_after_warmup']}) | {s['step_ms_warmup']} → "
             f"{s['step_ms_end']} ({s['step_ms_drift_pct']:+} %; {s['step_ms_window_range'][0]}-"
             f"{s['step_ms_window_range'][1]}) | {s['step_cpu_ms_warmup']} → {s['step_cpu_ms_end']} "
-            f"({s['step_cpu_ms_drift_pct']:+} %) | {'→'.join(map(str, s['threads_warmup_end']))} | "
+            f"({s['step_cpu_ms_drift_pct']:+} %) | {s.get('cpu_ms_per_1k_tokens_warmup')} → "
+            f"{s.get('cpu_ms_per_1k_tokens_end')} ({s.get('cpu_ms_per_1k_tokens_drift_pct', 0):+} %; "
+            f"{'→'.join(map(str, s.get('tokens_per_step_warmup_end', [])))}) | "
+            f"{'→'.join(map(str, s['threads_warmup_end']))} | "
             f"{'→'.join(map(str, s['fds_warmup_end']))} | {'→'.join(map(str, s['tensors_warmup_end']))} | "
             f"{s['gc_objects_warmup_end'][0]:,}→{s['gc_objects_warmup_end'][1]:,} | "
             f"{s['log_entries_warmup_end'][1]}, {s['log_bytes_warmup_end'][1] / 1024:.0f} | "
@@ -350,19 +393,31 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--sample_s", type=float, default=3.0)
-    parser.add_argument("--out", default="soak.json", help="the JSON, rewritten after each trainer")
+    parser.add_argument("--out", default="bench/results/soak.json", help="the JSON, rewritten after each trainer")
     parser.add_argument("--plot", default=None, help="the PNG (default: next to --out)")
     parser.add_argument("--workdir", default=None, help="the probes and workers' logs (default: a temporary folder)")
+    parser.add_argument("--report", default=None, help="comma-separated JSON files of earlier runs: their table "
+                        "and plot (runs of the same trainer: the last one), nothing run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.steps, args.probe)
         return []
+    if args.report:
+        runs = {}
+        for path in args.report.split(","):
+            with open(path) as f:
+                runs.update({run["trainer"]: run for run in json.load(f)["runs"]})
+        summaries = [summarize(run, args.warmup) for run in runs.values()]
+        print(table(summaries))
+        plot(list(runs.values()), args.plot or os.path.splitext(args.out)[0] + ".png", args.warmup)
+        return summaries
     from harness import versions
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="soak-")
     os.makedirs(workdir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     command = "python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
     runs, summaries = [], []
     for kind in args.trainers.split(","):
