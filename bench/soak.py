@@ -335,6 +335,13 @@ def summarize(run: dict, warmup: int, windows_compared: int = 5) -> dict:
     return out
 
 
+def per_token(s: dict) -> str:
+    if "cpu_ms_per_1k_tokens_warmup" not in s:
+        return "not recorded"
+    return (f"{s['cpu_ms_per_1k_tokens_warmup']} → {s['cpu_ms_per_1k_tokens_end']} "
+            f"({s['cpu_ms_per_1k_tokens_drift_pct']:+} %; {'→'.join(map(str, s['tokens_per_step_warmup_end']))})")
+
+
 def table(summaries: list[dict]) -> str:
     lines = ["| trainer | steps | RSS MiB warm-up → end (growth; max after warm-up) | step ms warm-up → end (drift; "
              "window range) | CPU ms per step (drift) | CPU ms per 1k tokens (drift; tokens per step) | threads | "
@@ -349,9 +356,7 @@ def table(summaries: list[dict]) -> str:
             f"({s['rss_growth_pct']:+} %; {s['rss_mib_max_after_warmup']}) | {s['step_ms_warmup']} → "
             f"{s['step_ms_end']} ({s['step_ms_drift_pct']:+} %; {s['step_ms_window_range'][0]}-"
             f"{s['step_ms_window_range'][1]}) | {s['step_cpu_ms_warmup']} → {s['step_cpu_ms_end']} "
-            f"({s['step_cpu_ms_drift_pct']:+} %) | {s.get('cpu_ms_per_1k_tokens_warmup')} → "
-            f"{s.get('cpu_ms_per_1k_tokens_end')} ({s.get('cpu_ms_per_1k_tokens_drift_pct', 0):+} %; "
-            f"{'→'.join(map(str, s.get('tokens_per_step_warmup_end', [])))}) | "
+            f"({s['step_cpu_ms_drift_pct']:+} %) | {per_token(s)} | "
             f"{'→'.join(map(str, s['threads_warmup_end']))} | "
             f"{'→'.join(map(str, s['fds_warmup_end']))} | {'→'.join(map(str, s['tensors_warmup_end']))} | "
             f"{s['gc_objects_warmup_end'][0]:,}→{s['gc_objects_warmup_end'][1]:,} | "
@@ -366,18 +371,21 @@ def plot(runs: list[dict], path: str, warmup: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     for run in runs:
         top.plot([s["step"] for s in run["samples"]], [s["rss_mib"] for s in run["samples"]], label=run["trainer"])
         windows = [p for p in run["probes"] if "window_s" in p]
-        bottom.plot([p["step"] for p in windows], [p["window_s"] * 1000 / WINDOW for p in windows], marker=".",
+        for ax, key in ((middle, "window_s"), (bottom, "window_cpu_s")):
+            ax.plot([p["step"] for p in windows], [p[key] * 1000 / WINDOW for p in windows], marker=".",
                     label=run["trainer"])
-    for ax in (top, bottom):
+    for ax in (top, middle, bottom):
         ax.axvline(warmup, color="grey", linestyle=":", linewidth=1)
         ax.grid(alpha=0.3)
-    top.set_ylabel("RSS (MiB), sampled from outside")
-    bottom.set_ylabel(f"step time (ms), mean of each {WINDOW}-step window")
-    bottom.set_yscale("log")
+    top.set_ylabel("RSS (MiB), sampled\nfrom outside")
+    middle.set_ylabel(f"step time (ms, wall),\nmean of {WINDOW}-step windows")
+    bottom.set_ylabel("step CPU time (ms),\nsame windows")
+    for ax in (middle, bottom):
+        ax.set_yscale("log")
     bottom.set_xlabel("optimizer step (dotted: end of warm-up)")
     top.legend(ncol=3, fontsize=8)
     top.set_title("Soak: toy trainers, one process each, 1 thread, 2 shared cores")
