@@ -33,6 +33,7 @@ def test_two_trainers_are_sampled_from_outside_and_inside(soak, tmp_path):
     for summary in summaries:
         assert summary["steps"] == 200 and summary["samples"] > 0
         assert summary["rss_mib_warmup"] > 0 and summary["step_ms_warmup"] > 0
+        assert summary["tokens_per_step_warmup_end"][0] > 0 and summary["cpu_ms_per_1k_tokens_warmup"] > 0
         assert summary["threads_warmup_end"][1] >= 1 and summary["fds_warmup_end"][1] >= 3
         assert summary["log_entries_warmup_end"] == [9, 19]  # a log every 10 steps, read just before the log
     report = json.loads(out.read_text())
