@@ -346,17 +346,23 @@ class ExperienceLoader:
             if offset:
                 self._rollout = self._restore(epoch, rollout, offset)
             else:
-                indices = [i for i in self.rollout_indices(epoch, rollout) for _ in range(self.num_generations)]
-                rows = _rows(self._dataset, indices)
-                extra = {"refill": self._refill(epoch, rollout)} if self.refill else {}
-                experience, stats = self.make_experience(rows, indices, **extra)
-                self._rollout = {"epoch": epoch, "rollout": rollout, "position": 0, "experience": experience,
-                                 "stats": stats, "order": self._batch_order(epoch, rollout, experience)}
+                # the previous rollout is all handed out: free its experience before generating the next one, or
+                # both are alive through the whole generation (a second rollout's worth of memory at the peak)
+                self._rollout = None
+                self._rollout = self._make_rollout(epoch, rollout)  # no local of this frame keeps an experience
             for j in range(offset, per_rollout):
                 self._rollout["position"] = j + 1
                 yield self._micro_batch(j, epoch * len(self) + rollout * per_rollout + j)
             offset = 0
         self._rollout = None
+
+    def _make_rollout(self, epoch: int, rollout: int) -> dict:
+        indices = [i for i in self.rollout_indices(epoch, rollout) for _ in range(self.num_generations)]
+        rows = _rows(self._dataset, indices)
+        extra = {"refill": self._refill(epoch, rollout)} if self.refill else {}
+        experience, stats = self.make_experience(rows, indices, **extra)
+        return {"epoch": epoch, "rollout": rollout, "position": 0, "experience": experience, "stats": stats,
+                "order": self._batch_order(epoch, rollout, experience)}
 
     def _micro_batch(self, j: int, global_index: int) -> dict:
         current = self._rollout
