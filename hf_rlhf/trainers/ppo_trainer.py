@@ -46,7 +46,7 @@ from ..models.value_head import reward_config_of
 from ..rewards.base import FunctionReward
 from ..rewards.factory import build_reward_source, check_reward_model_path
 from ..rewards.model import ModelReward
-from ..rl.critic_free import aggregate_loss
+from ..rl.critic_free import TOKEN_SUM_LOSS_TYPES, aggregate_loss
 from ..rl.kl import kl_penalty, sequence_policy_stats
 from ..rollout.experience import Experience
 from ..rollout.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator, validate_prompt_dataset
@@ -539,8 +539,8 @@ class PPOTrainer(BaseTrainer):
 
     def _aggregate(self, per_token_loss, mask, normalizer):
         """The policy loss reduced as `loss_type` says, scaled for gradient accumulation (as TRL's GRPO)."""
-        if self.args.loss_type == "dapo":  # the optimizer step's token count: micro-batches add up to its token mean
-            return aggregate_loss(per_token_loss, mask, "dapo", normalizer=normalizer)
+        if self.args.loss_type in TOKEN_SUM_LOSS_TYPES:  # the step's token count: micro-batches add up to its mean
+            return aggregate_loss(per_token_loss, mask, self.args.loss_type, normalizer=normalizer)
         # per micro-batch reductions, averaged over the step's micro-batches (bnpo thus depends on how they are cut)
         loss = aggregate_loss(per_token_loss, mask, self.args.loss_type, self.args.response_length)
         return loss / self.current_gradient_accumulation_steps
