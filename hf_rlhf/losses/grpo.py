@@ -162,7 +162,7 @@ def grpo_policy_loss_per_token(
         tau = torch.where(advantages > 0, sapo_temperatures[0], sapo_temperatures[1]).to(ratio.dtype)
         per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
     else:  # vespo
-        phi = gamma_weights(advantages[:, 0], log_ratio, mask, sampling_ratio, *vespo)
+        phi = gamma_weights(sequence_advantages(advantages, mask), log_ratio, mask, sampling_ratio, *vespo)
         per_token = -phi[:, None] * advantages * logprobs
         stats["phi"] = phi
     with torch.no_grad():
@@ -238,3 +238,43 @@ def adaptive_entropy_coef(coef: float, entropy: float, target: float, step: floa
     """The next entropy coefficient of TRL's `use_adaptive_entropy`: + `step` (at most `high`) when the step's mean
     token entropy is at or below `target`, else − `step` (at least `low`)."""
     return min(coef + step, high) if entropy <= target else max(coef - step, low)
+
+
+def sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) each row's advantage: the mean over its tokens (the row's one value for the critic-free estimators)."""
+    return masked_sum(advantages, mask, dim=-1) / mask.sum(-1).clamp(min=1).to(advantages.dtype)
+
+
+def policy_terms(args, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                 mask: torch.Tensor, sampling_logprobs: torch.Tensor | None = None,
+                 sampling_ratio: torch.Tensor | None = None,
+                 entropy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token policy loss of a config's options, in the order of TRL's `_compute_loss`: the loss type
+    (`grpo_policy_loss_per_token`), × the off-policy sequence mask, × the entropy mask, × the sampler correction's
+    ratio (folded into φ for vespo instead); the KL term and the reduction come after.
+
+    Args:
+        args: a `PPOConfig` (loss_type, cliprange, epsilon_high, importance_sampling_level and
+            `PolicyLossOptions`).
+        logprobs, old_logprobs, advantages, mask: (B, T).
+        sampling_logprobs: (B, T) the sampler's log-probs (the off-policy mask reads them; None: `old_logprobs`).
+        sampling_ratio: (B, T) `sampling_importance_ratio`, or None.
+        entropy_mask: (B, T) bool `high_entropy_mask`, or None.
+
+    Returns:
+        (per_token_loss (B, T), stats of `grpo_policy_loss_per_token`).
+    """
+    per_token, stats = grpo_policy_loss_per_token(
+        args.loss_type, logprobs, old_logprobs, advantages, mask, args.cliprange, args.epsilon_high,
+        args.importance_sampling_level, args.delta, (args.sapo_temperature_pos, args.sapo_temperature_neg),
+        (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg), sampling_ratio)
+    if args.off_policy_mask_threshold is not None:
+        sampled = old_logprobs if sampling_logprobs is None else sampling_logprobs
+        keep = off_policy_mask(sequence_advantages(advantages, mask), logprobs, sampled, mask,
+                               args.off_policy_mask_threshold)
+        per_token = per_token * keep[:, None].to(per_token.dtype)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask.to(per_token.dtype)
+    if sampling_ratio is not None and args.loss_type != "vespo":
+        per_token = per_token * sampling_ratio
+    return per_token, stats

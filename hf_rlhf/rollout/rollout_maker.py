@@ -16,6 +16,7 @@ from trl.models.utils import unwrap_model_for_generation
 
 from ..collators import LeftPaddingCollator
 from ..generation import GenerationOutput, build_engine
+from ..losses.grpo import sampling_importance_ratio, sampling_mismatch_sums
 from ..models.adapters import adapter_scope, unwrap_peft
 from ..models.policy_value import response_scores
 from ..rewards.base import RewardError, check_scores
@@ -131,6 +132,10 @@ class RolloutMaker:
         # `logprobs_from_generation` they (and a value head's values) come off the decoding, the forward skipped too
         # (run once more on the first such rollout, to check that the two agree)
         model.eval()
+        sampling_logprobs = None
+        if args.sampling_correction:  # the engine's log-probs are the sampler's; the forward below the trainer's
+            sampling_logprobs = self._decoded_scores(model, (captured[0], None), response_mask)[0]
+            captured = None
         policy_forward = not args.old_logprobs_in_loss and (captured is None or not self._capture_checked)
         old_logprobs, old_values, ref_logprobs = self._forward(model, query_ids, query_mask, response_ids,
                                                                context_mask, policy=policy_forward)
@@ -158,6 +163,13 @@ class RolloutMaker:
         experience = Experience(query_ids, query_mask, response_ids, response_mask, old_logprobs, ref_logprobs,
                                 old_values, scores, rewards, advantages, returns, context_mask)
         stats = self._stats(experience, kl, raw_scores, stopped, kl_coef)
+        if sampling_logprobs is not None:  # TRL's vllm_importance_sampling_* with this engine as the sampler
+            experience.sampling_logprobs = sampling_logprobs
+            experience.sampling_ratio = sampling_importance_ratio(
+                old_logprobs, sampling_logprobs, response_mask, args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+            stats.update(self._mismatch_stats(old_logprobs, sampling_logprobs, response_mask,
+                                              experience.sampling_ratio))
         stats.update(filter_stats)
         if self.tool_rollout is not None:
             stats.update(self._tool_stats())
@@ -201,7 +213,8 @@ class RolloutMaker:
         else:
             # step 2. sample responses with the KV cache, policy in eval mode (dropout off, as for the old log-probs)
             with self._generator(model.policy) as generate:
-                out = generate(query_ids, query_mask, self.args.response_length, capture=self.capture_decoding,
+                out = generate(query_ids, query_mask, self.args.response_length,
+                               capture=self.capture_decoding or self.args.sampling_correction,
                                hidden=self.capture_decoding and model.reads_policy_hidden)
             captured = None if out.logprobs is None else (out.logprobs, out.hidden)
 
@@ -213,6 +226,17 @@ class RolloutMaker:
         # step 4. score the decoded text (each reward source re-tokenizes it its own way)
         raw_scores = self._score(prompts, completions, batch, row_indices).to(device)
         return (query_ids, query_mask, response_ids, response_mask, context_mask, stopped, raw_scores), captured
+
+    def _mismatch_stats(self, old_logprobs, sampling_logprobs, mask, ratio) -> dict[str, float]:
+        """TRL's `sampling/*` metrics: each process's mean / extreme, then their mean / extreme over processes."""
+        sums = sampling_mismatch_sums(old_logprobs, sampling_logprobs, mask, ratio,
+                                      self.args.vllm_importance_sampling_mode)
+        names = list(sums)
+        values = torch.stack([sums[n].float() for n in names])
+        means = self.accelerator.reduce(values.clone(), reduction="mean")
+        signs = torch.tensor([-1.0 if n.endswith("/min") else 1.0 for n in names], device=values.device)
+        extremes = self.accelerator.reduce(values * signs, reduction="max") * signs  # min as -max(-x)
+        return {n: (means[i] if n.endswith("/mean") else extremes[i]).item() for i, n in enumerate(names)}
 
     def _tool_stats(self) -> dict[str, float]:
         """TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failed / calls), over

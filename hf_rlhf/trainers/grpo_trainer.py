@@ -113,13 +113,25 @@ class GRPOTrainer(PPOTrainer):
         self.metrics["train"].add("num_tokens", (experience.query_mask.sum() + maker.last_lengths.sum()).float())
         return experience, stats
 
-    def log_policy_terms(self, metrics, logprobs, old_logprobs, advantages, mask) -> None:
-        """TRL's `clip_ratio/*` of this micro-batch (token means, and the extremes of per-sequence means)."""
+    def log_policy_terms(self, metrics, logprobs, old_logprobs, advantages, mask, stats=None) -> None:
+        """TRL's per-micro-batch loss metrics: `policy_loss`; `clip_ratio/*` for the clipped loss types (token means,
+        and the extremes of per-sequence means), `cispo_clip_ratio` for cispo, `vespo/phi_seq_mean` for vespo."""
         args = self.args
-        ratio = torch.exp(importance_log_weights(logprobs - old_logprobs, mask, args.importance_sampling_level))
-        high = args.epsilon_high if args.epsilon_high is not None else args.cliprange
-        sums, per_sequence = clip_metrics(ratio, advantages, mask, args.cliprange, high)
         tokens = mask.sum().float()
+        high = args.epsilon_high if args.epsilon_high is not None else args.cliprange
+        if stats is not None:
+            metrics.add("policy_loss", stats["policy_loss"])
+        if args.loss_type == "vespo":
+            metrics.add("vespo/phi_seq_mean", stats["phi"].sum(), float(stats["phi"].numel()))
+            return
+        ratio = torch.exp(importance_log_weights(logprobs - old_logprobs, mask, args.importance_sampling_level))
+        if args.loss_type == "cispo":
+            clipped = ((ratio > high) & (advantages > 0)).float()
+            metrics.add("cispo_clip_ratio", (clipped * mask).sum(), tokens)
+            return
+        if args.loss_type == "sapo":  # TRL logs no clip ratios for sapo
+            return
+        sums, per_sequence = clip_metrics(ratio, advantages, mask, args.cliprange, high)
         for name, value in sums.items():
             metrics.add(name, value, tokens)
         metrics.add_min("clip_ratio/low_min", per_sequence["clip_ratio/low_min"])
