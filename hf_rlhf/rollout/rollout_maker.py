@@ -97,6 +97,9 @@ class RolloutMaker:
         self.capture_decoding = capture_decoding
         self._capture_checked = False
         self.lm_heads = lm_heads
+        # NaN (a reward function's None) scores a row as "not scored": out of its group's baseline, advantage 0 (TRL's
+        # GRPO; `GRPOTrainer` turns it on for the grpo estimator)
+        self.allow_unscored = False
 
     @torch.no_grad()
     def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None, refill=None):
@@ -160,6 +163,9 @@ class RolloutMaker:
         reduce = self._all_reduce_sum if self.accelerator.num_processes > 1 else None
         rewards, advantages, returns = estimate_advantages(args, scores, kl, response_mask, old_values, kl_coef,
                                                            reduce)
+        if self.allow_unscored:  # unscored rows: advantage 0 already; nothing else of theirs reaches a loss or a mean
+            scores, rewards, returns = (torch.nan_to_num(t, nan=0.0) for t in (scores, rewards, returns))
+            raw_scores = torch.nan_to_num(raw_scores, nan=0.0)
         experience = Experience(query_ids, query_mask, response_ids, response_mask, old_logprobs, ref_logprobs,
                                 old_values, scores, rewards, advantages, returns, context_mask)
         stats = self._stats(experience, kl, raw_scores, stopped, kl_coef)
@@ -317,8 +323,13 @@ class RolloutMaker:
                               top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, eos_token_id=self.stop_token_id,
                               generation_kwargs=args.generation_kwargs, return_logprobs=capture, return_hidden=hidden)
                 chunks, order = [], self._row_chunks(query_mask)
+                multiple = getattr(args, "pad_to_multiple_of", None)  # TRL GRPOConfig's, for the generation's shapes
                 for rows in order:  # each chunk without the prompt columns that are padding in all its rows
                     start = left_padding(query_mask[rows])
+                    if multiple:  # keep (or add) left padding up to a multiple of it
+                        query_ids, query_mask = _left_pad_to(query_ids, query_mask, multiple, pad)
+                        start = left_padding(query_mask[rows])
+                        start -= (-(query_mask.shape[1] - start)) % multiple
                     chunks.append(self.engine.generate(unwrapped, query_ids[rows, start:], query_mask[rows, start:],
                                                        **kwargs))
                 width = max(chunk.response_ids.shape[1] for chunk in chunks)
@@ -356,7 +367,8 @@ class RolloutMaker:
             if err.row is None or row_indices is None:
                 raise
             raise RewardError(f"{err} [dataset row {row_indices[err.row]}]", err.row) from err
-        return check_scores(scores, len(completions), "compute_rewards", prompts, completions)
+        return check_scores(scores, len(completions), "compute_rewards", prompts, completions,
+                            allow_none=self.allow_unscored)
 
     def _forward(self, model, query_ids, query_mask, response_ids, response_mask, policy: bool = True):
         """(old log-probs, old values, reference log-probs), each (B, R); without `policy` the first two are zeros
@@ -453,7 +465,8 @@ class RolloutMaker:
         """Normalise, clip, then subtract the missing-eos penalty (see `PPOConfig`)."""
         args, scores = self.args, raw_scores.float()
         if args.reward_normalization == "running":
-            reward_moments.update(self.accelerator.gather(scores))  # the same statistics on every rank
+            gathered = self.accelerator.gather(scores)  # the same statistics on every rank (unscored rows left out)
+            reward_moments.update(gathered[~torch.isnan(gathered)])
             scores = reward_moments.normalize(scores)
         elif args.reward_normalization == "model_stats":
             scores = (scores - self.reward_stats["reward_mean"]) / (self.reward_stats["reward_std"] + 1e-8)
@@ -488,6 +501,14 @@ class RolloutMaker:
                 self.args.missing_eos_penalty,
                 "applied" if self.args.missing_eos_penalty is not None else "not set, so nothing was subtracted")
         return stats
+
+
+def _left_pad_to(ids: torch.Tensor, mask: torch.Tensor, multiple: int, pad: int):
+    """(B, Q) ids and mask left-padded to a width that is a multiple of `multiple` (unchanged when it is one)."""
+    extra = (-ids.shape[1]) % multiple
+    if not extra:
+        return ids, mask
+    return F.pad(ids, (extra, 0), value=pad), F.pad(mask, (extra, 0), value=0)
 
 
 def _cat_left_padded(parts: list[torch.Tensor], value) -> torch.Tensor:

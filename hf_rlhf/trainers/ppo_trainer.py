@@ -208,7 +208,7 @@ class PPOTrainer(PolicyLossTerms, BaseTrainer):
             if isinstance(path, str) and resolve_value_adapter(path) is None:
                 check_model_path(path, what)
         set_seed(args.seed)  # as the Trainer does, but before the value head (and a value adapter) are initialised
-        policy, model_config = resolve_model(model, model_config)
+        policy, model_config = resolve_model(model, model_config, **self.model_init_kwargs(model, args))
         processing_class = self.resolve_tokenizer(processing_class, policy)
         if processing_class.pad_token is None:  # PPO tracks padding with masks, never by id: eos is safe (as TRL)
             processing_class.pad_token = processing_class.eos_token
@@ -403,7 +403,7 @@ class PPOTrainer(PolicyLossTerms, BaseTrainer):
             get_global_step=lambda: self.state.global_step, get_resume_dir=lambda: self._resume_from,
             device=self.accelerator.device, extra_batch=self._ptx_batch if self.ptx_dataset is not None else None,
             num_generations=args.num_generations, refill=args.filter_groups,
-            group_by_length=args.micro_batches_by_length)
+            group_by_length=args.micro_batches_by_length, shuffle=getattr(args, "shuffle_dataset", True))
         return self._loader
 
     def compute_rewards(self, prompts: list, completions: list, **columns) -> torch.Tensor:
