@@ -10,6 +10,7 @@ import torch
 from ..generation import build_engine
 from ..losses.grpo import adaptive_entropy_coef, entropy_threshold, high_entropy_mask, off_policy_mask
 from ..tensors import masked_sum
+from ..training.state_callbacks import AdaptiveEntropyCallback, find_callback
 
 
 class PolicyLossTerms:
@@ -49,18 +50,17 @@ class PolicyLossTerms:
         args = self.args
         if not args.use_adaptive_entropy:
             return args.entropy_coef
-        state = self._adaptive_entropy
-        coef = state["coef"] if state["last"] <= args.entropy_target else 0.0
+        state = find_callback(self.callback_handler, AdaptiveEntropyCallback)  # restored from a checkpoint too
+        coef = state.coef if state.last <= args.entropy_target else 0.0
         window = torch.stack([masked_sum(token_entropy.detach(), mask), mask.sum().float()])
-        state["window"] = window if state["window"] is None else state["window"] + window
+        state.window = window if state.window is None else state.window + window
         if self.accelerator.sync_gradients:  # the optimizer step's last micro-batch
-            total = self.accelerator.reduce(state["window"], reduction="sum")
-            state["last"] = (total[0] / total[1].clamp(min=1.0)).item()
-            state["coef"] = adaptive_entropy_coef(state["coef"], state["last"], args.entropy_target,
-                                                  args.entropy_coef_delta, args.entropy_coef_min,
-                                                  args.entropy_coef_max)
-            state["window"] = None
-            self.metrics["train"].add("entropy_coef", state["coef"])
+            total = self.accelerator.reduce(state.window, reduction="sum")
+            state.last = (total[0] / total[1].clamp(min=1.0)).item()
+            state.coef = adaptive_entropy_coef(state.coef, state.last, args.entropy_target, args.entropy_coef_delta,
+                                               args.entropy_coef_min, args.entropy_coef_max)
+            state.window = None
+            self.metrics["train"].add("entropy_coef", state.coef)
         return coef
 
     def _aux_loss(self):

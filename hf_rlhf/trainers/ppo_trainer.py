@@ -56,7 +56,13 @@ from ..rollout.rollout_maker import KL_METRICS, RolloutMaker, stop_token_id_of
 from ..tensors import masked_sum
 from ..tools import ToolRunner, check_tool_tokenizer, tool_dict
 from ..tools.environments import EnvironmentPool
-from ..training.state_callbacks import EpochFromStepCallback, KLControllerCallback, RewardStatsCallback, find_callback
+from ..training.state_callbacks import (
+    AdaptiveEntropyCallback,
+    EpochFromStepCallback,
+    KLControllerCallback,
+    RewardStatsCallback,
+    find_callback,
+)
 from .base_trainer import BaseTrainer
 from .model_config import ModelConfig
 from .policy_loss_terms import PolicyLossTerms, check_sampling_correction
@@ -240,6 +246,8 @@ class PPOTrainer(PolicyLossTerms, BaseTrainer):
         own = [KLControllerCallback(args.kl_coef, args.kl_target, args.kl_horizon), EpochFromStepCallback()]
         if args.reward_normalization == "running":
             own.append(RewardStatsCallback())
+        if args.use_adaptive_entropy:
+            own.append(AdaptiveEntropyCallback(args.entropy_coef))
         super().__init__(model=module, args=args, train_dataset=train_dataset, processing_class=processing_class,
                          callbacks=own + list(callbacks or []), optimizers=optimizers)
 
@@ -260,7 +268,6 @@ class PPOTrainer(PolicyLossTerms, BaseTrainer):
                                           None if rollout_func is None else lambda prompts: rollout_func(prompts, self),
                                           self.share_prompts, capture_decoding, self.lm_heads)
         self._loader, self._resume_from = None, None
-        self._adaptive_entropy = {"coef": args.entropy_coef, "last": float("inf"), "window": None}
 
     def _resolve_lm_heads(self, args, module, ref_model) -> tuple:
         """(policy's, reference's) `LMHead` for the log-probs in chunks of tokens (`PPOConfig.chunked_lm_head`), each

@@ -155,3 +155,19 @@ def test_options_together_on_two_architectures(tmp_path, tokenizer, arch):
     logs = _last_log(trainer)
     assert logs["entropy_coef"] == pytest.approx(0.01)  # entropy below the target: + 2 × 0.005
     assert ("aux_loss" in logs) == moe and (not moe or logs["aux_loss"] > 0)
+
+
+def test_resume_is_exact_with_shuffle_off_and_adaptive_entropy(tmp_path, tokenizer):
+    """A run stopped at a checkpoint and resumed logs the same losses as the uninterrupted run: the prompt order of
+    shuffle_dataset=False and the adaptive entropy coefficient (a stateful callback) come back."""
+    options = dict(shuffle_dataset=False, use_adaptive_entropy=True, entropy_target=10.0, entropy_coef_delta=0.01,
+                   max_steps=4, save_strategy="steps", save_steps=2, loss_type="sapo")
+    full = _trainer(tmp_path / "full", tokenizer, **options)
+    full.train()
+    resumed = _trainer(tmp_path / "resumed", tokenizer, **options)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    logs = {h["step"]: h for h in full.state.log_history if "loss" in h}
+    again = {h["step"]: h for h in resumed.state.log_history if "loss" in h}
+    for step in (3, 4):
+        assert again[step]["loss"] == logs[step]["loss"] and again[step]["entropy_coef"] == logs[step]["entropy_coef"]
+    assert logs[4]["entropy_coef"] == pytest.approx(0.04)
