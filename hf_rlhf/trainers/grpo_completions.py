@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import defaultdict, deque
 
 from accelerate.utils import gather_object
 from trl.trainer.callbacks import SyncRefModelCallback
@@ -28,16 +29,22 @@ class CompletionsLog:
 
     def __init__(self, args):
         self.path = os.path.join(args.output_dir, COMPLETIONS_FILE)
+        self.enabled = args.log_completions
         self.to_print, self.unique_prompts = args.num_completions_to_print, args.log_unique_prompts
         self.rows: list[dict] = []
-        self._local: list[dict] = []
+        # TRL's `GRPOTrainer._logs`: the latest generation's columns (its tests read them)
+        size = args.generation_batch_size
+        self.logs = {"images": deque(maxlen=size), "prompt": deque(maxlen=size), "completion": deque(maxlen=size),
+                     "rewards": defaultdict(lambda: deque(maxlen=size)), "advantages": deque(maxlen=size),
+                     "extra": defaultdict(lambda: deque(maxlen=size))}
+        self.pending: list[dict] = []
         self._extra: dict[str, list] = {}
 
     def add_rewards(self, prompts: list, completions: list, per_func, names: list[str]) -> None:
         """This rank's rows of one scoring call; `per_func` (K, B), NaN where a function did not score (None)."""
         for i, (prompt, completion) in enumerate(zip(prompts, completions)):
             rewards = {name: _number(per_func[k, i]) for k, name in enumerate(names)}
-            self._local.append({"prompt": prompt, "completion": completion, "rewards": rewards})
+            self.pending.append({"prompt": prompt, "completion": completion, "rewards": rewards})
 
     def add_extra(self, column: str, values: list) -> None:
         """TRL's `log_extra(column, values)` for reward functions: one value per completion of the call."""
@@ -46,12 +53,20 @@ class CompletionsLog:
     def end_rollout(self, step: int, advantages, accelerator) -> None:
         """Gather the rollout's rows over ranks (every rank calls this) with their (N,) gathered advantages."""
         for column, values in self._extra.items():
-            for row, value in zip(self._local, values):
+            for row, value in zip(self.pending, values):
                 row.setdefault("extra", {})[column] = value
-        rows = gather_object(self._local) if accelerator.num_processes > 1 else self._local
+        rows = gather_object(self.pending) if accelerator.num_processes > 1 else self.pending
         for row, advantage in zip(rows, advantages.tolist()):
-            self.rows.append({"step": step, **row, "advantage": advantage})
-        self._local, self._extra = [], {}
+            self.logs["prompt"].append(row["prompt"])
+            self.logs["completion"].append(row["completion"])
+            for name, value in row["rewards"].items():
+                self.logs["rewards"][name].append(value)
+            self.logs["advantages"].append(advantage)
+            for column, value in row.get("extra", {}).items():
+                self.logs["extra"][column].append(value)
+            if self.enabled:
+                self.rows.append({"step": step, **row, "advantage": advantage})
+        self.pending, self._extra = [], {}
 
     def flush(self, step: int, report_to) -> None:
         """Write, print and report the rows gathered since the last call (main process)."""

@@ -113,7 +113,7 @@ class GRPOTrainer(PPOTrainer):
                 raise ValueError("sync_ref_model=True needs a separate reference model: a peft policy's reference is "
                                  "its base with the adapters off (as TRL, not supported).")
             self.add_callback(SyncPolicyRefCallback(ref_model=self.ref_model, accelerator=self.accelerator))
-        self.completions_log = CompletionsLog(args) if args.log_completions else None
+        self.completions_log = CompletionsLog(args)  # TRL's `_logs`; written and printed with log_completions
 
     @classmethod
     def resolve_args(cls, args):
@@ -133,6 +133,11 @@ class GRPOTrainer(PPOTrainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             self._router_config.output_router_logits = False
+
+    @property
+    def _logs(self) -> dict:
+        """TRL's `GRPOTrainer._logs` (the latest generation's prompts, completions, rewards, advantages, extra)."""
+        return self.completions_log.logs
 
     def _keep_router_aux(self, module, inputs, output) -> None:
         self._router_aux = getattr(output, "aux_loss", None)
@@ -156,8 +161,8 @@ class GRPOTrainer(PPOTrainer):
         rows, names, weights = [], [], []
         source = self.reward_source
         if isinstance(source, WeightedRewards):
-            log_extra = _no_extra_columns if self.completions_log is None else self.completions_log.add_extra
-            extra = {"trainer_state": self.state, "log_metric": self._log_metric, "log_extra": log_extra}
+            extra = {"trainer_state": self.state, "log_metric": self._log_metric,
+                     "log_extra": self.completions_log.add_extra}
             if environments is not None:
                 extra["environments"] = environments
             source(prompts, completions, function_kwargs=extra, **columns)
@@ -172,7 +177,7 @@ class GRPOTrainer(PPOTrainer):
         per_func = torch.cat(rows) if rows else torch.zeros(1, len(completions))
         self._reward_parts.append(per_func)
         self._reward_names, self._reward_weights = names or ["reward"], torch.tensor(weights or [1.0])
-        if self.completions_log is not None:
+        if hasattr(self, "completions_log"):  # (not yet during __init__'s checks)
             self.completions_log.add_rewards(prompts, completions, per_func, self._reward_names)
         if self.args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each function in its group first
             return normalize_then_sum(per_func.T, self._reward_weights, self.args.num_generations)
@@ -192,9 +197,11 @@ class GRPOTrainer(PPOTrainer):
         maker = self.rollout_maker
         per_func = gather(torch.cat(self._reward_parts, dim=1).T.contiguous().to(device)).T.cpu()
         stats.update(reward_metrics(per_func, self._reward_names, self._reward_weights, self.args.num_generations))
-        if self.completions_log is not None:
-            advantages = gather(sequence_advantages(experience.advantages, experience.response_mask)).cpu()
-            self.completions_log.end_rollout(self.state.global_step, advantages, self.accelerator)
+        # the rows of the kept groups only (filter_groups scores several rounds: their rows are not logged)
+        advantages = gather(sequence_advantages(experience.advantages, experience.response_mask)).cpu()
+        if len(self.completions_log.pending) != len(experience):
+            self.completions_log.pending = []
+        self.completions_log.end_rollout(self.state.global_step, advantages, self.accelerator)
         stats.update(completion_metrics(gather(maker.last_lengths).cpu(), gather(maker.last_stopped).cpu()))
         # TRL's num_tokens: prompt and completion tokens per completion (tool results not counted), summed at logs
         self.metrics["train"].add("num_tokens", (experience.query_mask.sum() + maker.last_lengths.sum()).float())
@@ -240,7 +247,7 @@ class GRPOTrainer(PPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         super().log(logs, start_time)
-        if self.completions_log is not None and self.accelerator.is_main_process:
+        if self.args.log_completions and self.accelerator.is_main_process:
             self.completions_log.flush(self.state.global_step, self.args.report_to)
 
     def training_step(self, *args, **kwargs):
@@ -250,6 +257,3 @@ class GRPOTrainer(PPOTrainer):
             self.metrics["train"].add("step_time", time.perf_counter() - self._step_started)
         return loss
 
-
-def _no_extra_columns(column: str, values: list) -> None:
-    """TRL's `log_extra` (columns of its completions table) without `log_completions`: nothing is logged."""

@@ -49,6 +49,8 @@ class PolicyLossTerms:
         optimizer step from that step's token-mean entropy over every process)."""
         args = self.args
         if not args.use_adaptive_entropy:
+            if args.entropy_coef and self.accelerator.sync_gradients:  # TRL logs the static one too
+                self.metrics["train"].add("entropy_coef", args.entropy_coef)
             return args.entropy_coef
         state = find_callback(self.callback_handler, AdaptiveEntropyCallback)  # restored from a checkpoint too
         coef = state.coef if state.last <= args.entropy_target else 0.0
@@ -62,6 +64,16 @@ class PolicyLossTerms:
             state.window = None
             self.metrics["train"].add("entropy_coef", state.coef)
         return coef
+
+    @property
+    def entropy_coef(self) -> float:
+        """TRL's attribute: the entropy bonus's current coefficient (the adaptive controller's, or `entropy_coef`)."""
+        state = find_callback(self.callback_handler, AdaptiveEntropyCallback)
+        return self.args.entropy_coef if state is None else state.coef
+
+    @property
+    def use_adaptive_entropy(self) -> bool:
+        return self.args.use_adaptive_entropy
 
     def _aux_loss(self):
         """The MoE router's load-balancing loss of this micro-batch's forward, weighted (GRPOTrainer's

@@ -170,9 +170,14 @@ class PPOTrainer(PolicyLossTerms, BaseTrainer):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
-        if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":  # as TRL 1.16's GRPOTrainer
-            logger.warning("importance_sampling_level='sequence' with loss_type=%r weights each sequence's ratio by "
-                           "its length; GSPO's own objective is loss_type='grpo'", args.loss_type)
+        if args.importance_sampling_level == "sequence" and args.loss_type == "vespo":  # TRL's warnings, its words
+            logger.warning("VESPO computes sequence-level importance weights internally. `importance_sampling_level` "
+                           "should be set to `'token'` (the default).")
+        if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            logger.warning("When using `importance_sampling_level='sequence'`, the %r loss sums per-token "
+                           "contributions, which effectively weights each sequence by its completion length instead "
+                           "of optimizing the per-sequence objective; GSPO's own objective is loss_type='grpo'",
+                           args.loss_type)
         if train_dataset is None:
             raise ValueError("PPOTrainer needs a train_dataset of prompts.")
         if ref_model is not None and ref_model is model:
