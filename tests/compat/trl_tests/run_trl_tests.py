@@ -25,6 +25,7 @@ from pathlib import Path
 
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]  # this checkout: the hf_rlhf copies import it, whatever PYTHONPATH the runner was given
 MODULES = ["test_sft_trainer.py", "test_reward_trainer.py", "test_dpo_trainer.py", "test_grpo_trainer.py"]
 # TRL tests that fail on hf_rlhf on purpose (docs/trl_compatibility.md), each with its own test in
 # tests/integration/test_trl_preparation.py
@@ -64,7 +65,7 @@ def prepare(trl_tests, dest, target, modules):
 def run_pytest(pkg, module, junit, timeout, extra):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_HUB_CACHE=str(Path(os.environ["TRL_OFFLINE_CACHE"]) / "hub"), TRL_TEST_TIMEOUT=str(timeout),
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
                CUDA_VISIBLE_DEVICES="", WANDB_DISABLED="true")
     cmd = [sys.executable, "-m", "pytest", str(pkg / module), "-p", "trl_offline_plugin", "-p", "no:cacheprovider",
            "-v", "-rN", "--tb=line", f"--junitxml={junit}", f"--rootdir={pkg.parent}", *extra]
