@@ -96,6 +96,11 @@ class GRPOTrainer(PPOTrainer):
                     cast_lm_head_to_fp32(unwrap_peft(target))
         # TRL's attribute: the MoE router's load-balancing loss is added to the loss
         self.aux_loss_enabled = set_router_aux_loss(policy, args.router_aux_loss_coef)
+        if self.aux_loss_enabled and self.lm_heads[0] is not None:  # the chunked head runs the backbone only: the
+            if args.chunked_lm_head:  # router loss is computed by the causal LM's forward, from the full logits
+                raise ValueError("chunked_lm_head=True cannot go with the MoE router loss (the causal LM's forward "
+                                 "computes it); set router_aux_loss_coef=0 or chunked_lm_head=None")
+            self.lm_heads = self.rollout_maker.lm_heads = (None, self.lm_heads[1])
         if self.aux_loss_enabled and self.share_prompts:  # the router loss reads a 2D mask; prompt sharing's is 4D
             if args.prefix_sharing:
                 raise ValueError("prefix_sharing=True cannot go with the MoE router loss (its load-balancing loss "
@@ -133,6 +138,21 @@ class GRPOTrainer(PPOTrainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             self._router_config.output_router_logits = False
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """TRL's: each reward function's name, then an environment's that defines `get_reward()`."""
+        names = list(self.reward_source.names) if isinstance(self.reward_source, WeightedRewards) else ["reward"] * (
+            self.reward_source is not None)
+        pool = self.environment_pool
+        return names + ([pool.name] if pool is not None and pool.has_reward else [])
+
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        """TRL's: (K,) the weights of `reward_func_names` (an environment's reward: 1)."""
+        weights = self.reward_source.weights.tolist() if isinstance(self.reward_source, WeightedRewards) else [
+            1.0] * (self.reward_source is not None)
+        return torch.tensor(weights + [1.0] * (len(self.reward_func_names) - len(weights)))
 
     @property
     def _logs(self) -> dict:
