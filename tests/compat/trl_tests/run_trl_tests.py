@@ -37,6 +37,14 @@ DELIBERATE = {
     "test_dpo_trainer.py::TestDPOTrainer::test_evaluate_precompute_ref_log_probs_after_training_raises":
         "evaluate(new rows) after training with precompute_ref_log_probs takes the kept reference's log-probs; "
         "TRL keeps no reference and refuses",
+    # TRL internals: these call private methods of TRL's GRPOTrainer (its rollout and forward helpers), which
+    # hf_rlhf's GRPOTrainer, built on PPO's loop, does not have
+    "test_grpo_trainer.py::TestGRPORolloutDispatch::test_generate_rollout_func_raises_when_required_keys_are_missing":
+        "calls TRL's private GRPOTrainer._generate; hf_rlhf's rollout_func_sample checks the same keys",
+    "test_grpo_trainer.py::TestGRPOTrainer::test_prepare_input_called_with_correct_data":
+        "reads the generation batch TRL's _prepare_inputs hands to training_step; hf_rlhf's are Experience rows",
+    "test_grpo_trainer.py::TestGRPOTrainer::test_entropy_bonus_flows_gradients":
+        "calls TRL's private _get_per_token_logps_and_entropies; the bonus's gradient is in compute_loss here",
 }
 HELPERS = ["__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py"]
 REWRITES = {
