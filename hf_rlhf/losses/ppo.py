@@ -86,6 +86,7 @@ def policy_loss_per_token(
     cliprange: float,
     cliprange_high: float | None = None,
     importance_sampling_level: str = "token",
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`policy_loss` before its reduction: max(-A·ratio, -A·clip(ratio, 1-ε_low, 1+ε_high)) per token.
 
@@ -100,6 +101,8 @@ def policy_loss_per_token(
         As `policy_loss` (all (B, T)), plus:
         cliprange_high: ε_high, > 0; None: ε_high = ε (`cliprange`).
         importance_sampling_level: "token" or "sequence".
+        delta: two-sided clipping (TRL's `delta`, INTELLECT-2): the unclipped term's ratio capped at δ, so a
+            negative advantage's loss stays bounded; None: no cap.
 
     Returns:
         (per_token_loss (B, T) with grad, stats as `policy_loss`'s; "approxkl" is always per token).
@@ -112,7 +115,7 @@ def policy_loss_per_token(
     advantages = advantages.detach()
     log_ratio = logprobs - old_logprobs.detach()
     ratio = torch.exp(importance_log_weights(log_ratio, mask, importance_sampling_level))
-    unclipped = -advantages * ratio
+    unclipped = -advantages * (ratio if delta is None else torch.clamp(ratio, max=delta))
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
     with torch.no_grad():
         stats = {

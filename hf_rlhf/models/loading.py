@@ -496,3 +496,25 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
+
+
+def cast_lm_head_to_fp32(model) -> None:
+    """TRL GRPOConfig's `cast_lm_head_to_fp32`: the LM head's weights in float32 and its logits computed in float32
+    from the hidden states (the embeddings' outputs keep their dtype when the head is tied to them), as
+    `trl.GRPOTrainer.__init__` does it.
+
+    Raises:
+        ValueError: the LM head carries a peft adapter (as TRL).
+    """
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(head, nn.Linear):
+        raise ValueError(f"cast_lm_head_to_fp32: {type(model).__name__} has no linear LM head")
+    if hasattr(head, "base_layer"):
+        raise ValueError("`cast_lm_head_to_fp32=True` is not supported when the lm_head carries a PEFT adapter; "
+                         "remove lm_head from the adapter's target modules.")
+    original = head.weight.dtype
+    head.float()
+    head.forward = lambda hidden: nn.functional.linear(hidden.to(torch.float32), head.weight.float(),
+                                                       None if head.bias is None else head.bias.float())
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.to(original))

@@ -121,6 +121,11 @@ class PolicyAndValue(nn.Module):
         return PolicyValueOutput(logits=out.logits, token_values=values)
 
     @property
+    def lm_head(self) -> nn.Module:
+        """The policy's LM head (TRL's tests read `trainer.model.lm_head`)."""
+        return self.policy.get_output_embeddings()
+
+    @property
     def reads_policy_hidden(self) -> bool:
         """True for (a): the value head reads the policy's own last hidden state (the one the LM head reads)."""
         return self.value_head is not None and self.value_adapter is None

@@ -17,7 +17,10 @@ functions.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -41,7 +44,8 @@ def completion_text(completion: str | list[dict]) -> str:
     return completion
 
 
-def check_scores(scores, expected: int, source: str, prompts=None, completions=None) -> torch.Tensor:
+def check_scores(scores, expected: int, source: str, prompts=None, completions=None,
+                 allow_none: bool = False) -> torch.Tensor:
     """Scores as a (B,) float32 tensor; raise a `RewardError` naming `source` (and the row) if they are unusable.
 
     Args:
@@ -49,6 +53,8 @@ def check_scores(scores, expected: int, source: str, prompts=None, completions=N
         expected: B, the number of completions.
         source: the source's name, for errors.
         prompts, completions: the batch, quoted in the error for a non-finite score.
+        allow_none: None and NaN are taken as NaN, "this row is not scored" (TRL's GRPO reward functions); inf is
+            still an error.
     """
     if isinstance(scores, torch.Tensor):
         scores = scores.detach().float().cpu().reshape(-1).tolist()
@@ -59,12 +65,14 @@ def check_scores(scores, expected: int, source: str, prompts=None, completions=N
     if len(scores) != expected:
         raise RewardError(f"{source} returned {len(scores)} scores for {expected} completions; it must return one "
                           "number per completion")
+    if allow_none:
+        scores = [math.nan if score is None else score for score in scores]
     for row, score in enumerate(scores):
         try:
             value = float(score)
         except (TypeError, ValueError):
             raise RewardError(f"{source} returned {score!r} for row {row}, expected a number", row) from None
-        if not math.isfinite(value):
+        if not math.isfinite(value) and not (allow_none and math.isnan(value)):
             where = f"row {row}"
             if prompts is not None:
                 where += f" (prompt {prompts[row]!r}, completion {completion_text(completions[row])!r})"
@@ -80,16 +88,55 @@ class FunctionReward:
         name: shown in errors (default: the function's `__name__`).
     """
 
-    def __init__(self, func: Callable, name: str | None = None):
+    def __init__(self, func: Callable, name: str | None = None, allow_none: bool = False):
         self.func = func
         self.name = name or getattr(func, "__name__", type(func).__name__)
+        self.allow_none = allow_none  # None / NaN for rows the function does not score (TRL's GRPO)
+        self.is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
     def __call__(self, prompts: list, completions: list, **row_fields) -> torch.Tensor:
+        if self.is_async:
+            return run_coroutine(self.acall(prompts, completions, **row_fields))
         try:
             scores = self.func(prompts=prompts, completions=completions, **row_fields)
         except Exception as err:
             raise RewardError(f"reward function {self.name!r} raised {type(err).__name__}: {err}") from err
-        return check_scores(scores, len(completions), f"reward function {self.name!r}", prompts, completions)
+        return self._check(scores, prompts, completions)
+
+    async def acall(self, prompts: list, completions: list, **row_fields) -> torch.Tensor:
+        """Await an `async def` reward function (TRL runs those concurrently: `hf_rlhf.rewards.WeightedRewards`)."""
+        try:
+            scores = await self.func(prompts=prompts, completions=completions, **row_fields)
+        except Exception as err:
+            raise RewardError(f"reward function {self.name!r} raised {type(err).__name__}: {err}") from err
+        return self._check(scores, prompts, completions)
+
+    def _check(self, scores, prompts, completions) -> torch.Tensor:
+        return check_scores(scores, len(completions), f"reward function {self.name!r}", prompts, completions,
+                            allow_none=self.allow_none)
+
+
+def run_coroutine(coroutine):
+    """Run a coroutine to its end from synchronous code: `asyncio.run`, or in a thread of its own when this thread
+    already runs an event loop (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    out = {}
+
+    def target():
+        try:
+            out["value"] = asyncio.run(coroutine)
+        except BaseException as err:  # re-raised in the caller's thread
+            out["error"] = err
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 class TokenizedReward:

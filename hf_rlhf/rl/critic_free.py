@@ -19,7 +19,8 @@ from hf_rlhf.tensors import masked_sum
 
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor] | None
 SCALE_REWARDS = ("group", "batch", "none")
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+TOKEN_SUM_LOSS_TYPES = ("dapo", "cispo", "vespo")  # Σ loss / the optimizer step's token count (TRL)
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 
 
 def _groups(scores: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -57,8 +58,9 @@ def grpo_advantages(
     As `trl.GRPOTrainer._generate_and_score_completions` (TRL 1.16, trl/trainer/grpo_trainer.py, the
     `sum_then_normalize` branch): the mean is the prompt's group mean; the std is the unbiased
     (Bessel-corrected) std of the group (`"group"`, `True`), of the whole batch (`"batch"`, PPO Lite,
-    arXiv:2508.08221) or none at all (`"none"`, `False`: Dr. GRPO, arXiv:2503.20783). TRL's
-    NaN-aware `nanmean` / `nanstd` equal these on finite scores.
+    arXiv:2508.08221) or none at all (`"none"`, `False`: Dr. GRPO, arXiv:2503.20783). A NaN score (a completion
+    no reward function could score: TRL's `None`) is left out of every mean and std, and its advantage is 0, as
+    TRL's `nanmean` / `nanstd` and `nan_to_num` do; on finite scores those equal the plain ones used here.
 
     Args:
         scores: (N,) sequence scores, N = P·G, G consecutive samples per prompt.
@@ -75,6 +77,8 @@ def grpo_advantages(
         raise ValueError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, True or False, "
                          f"got {scale_rewards!r}")
     grouped = _groups(scores, num_generations)
+    if torch.isnan(scores).any():
+        return _nan_grpo_advantages(grouped, scale, eps, all_reduce_sum)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "group":
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)  # unbiased, as TRL's nanstd
@@ -82,6 +86,56 @@ def grpo_advantages(
         _, var = _mean_var(scores, torch.ones_like(scores, dtype=torch.bool), True, all_reduce_sum)
         advantages = advantages / (var.sqrt() + eps)
     return advantages.view(-1)
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The unbiased std over the non-NaN values, as `trl.trainer.utils.nanstd` (NaN for fewer than two)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True) if dim is not None else torch.nanmean(x)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=keepdim) if dim is not None else torch.nanmean(
+        (x - mean) ** 2)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=keepdim) if dim is not None else (~torch.isnan(x)).sum()
+    return torch.sqrt(variance * count / (count - 1))
+
+
+def _nan_grpo_advantages(grouped, scale, eps, all_reduce_sum):
+    """`grpo_advantages` of (P, G) scores holding NaN: NaN left out of the statistics, advantage 0 (as TRL)."""
+    advantages = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
+    if scale == "group":
+        advantages = advantages / (nanstd(grouped, dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        flat = grouped.reshape(-1)
+        valid = ~torch.isnan(flat)
+        _, var = _mean_var(torch.nan_to_num(flat), valid, True, all_reduce_sum)
+        advantages = advantages / (var.sqrt() + eps)
+    return torch.nan_to_num(advantages.reshape(-1), nan=0.0)
+
+
+def normalize_then_sum(per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                       eps: float = 1e-4) -> torch.Tensor:
+    """GDPO's reward of several objectives (TRL's `multi_objective_aggregation="normalize_then_sum"`, trl#4841):
+    each function's scores normalised in their group, then weighted and summed.
+
+    As the `normalize_then_sum` branch of `trl.GRPOTrainer._generate_and_score_completions` up to the weighted
+    sum (NaN: the function did not apply, left out of its group statistics and of the sum; a row no function scored
+    stays NaN). TRL then normalises the sum over the batch: the trainer hands it to `grpo_advantages` with
+    `scale_rewards="batch"` (each group's mean of the sum is 0, so the group and batch means agree).
+
+    Args:
+        per_func: (N, K) scores of K functions, N = P·G.
+        weights: (K,) `reward_weights`.
+        num_generations: G.
+        eps: added to each group's std (TRL: 1e-4).
+
+    Returns:
+        (N,) summed rewards.
+    """
+    n, k = per_func.shape
+    grouped = per_func.view(-1, num_generations, k)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean)
+    normalized = ((grouped - mean) / (std + eps)).view(n, k)
+    summed = (normalized * weights.to(per_func.dtype)[None]).nansum(dim=1)
+    return summed.masked_fill(torch.isnan(per_func).all(dim=1), float("nan"))
 
 
 def rloo_advantages(
@@ -212,11 +266,12 @@ def aggregate_loss(
     As `trl.GRPOTrainer._compute_loss` (TRL 1.16, trl/trainer/grpo_trainer.py), before TRL's division
     by the gradient-accumulation steps (the Trainer's business here):
 
-    - "grpo": mean over sequences of each sequence's token mean (length clamped to >= 1).
+    - "grpo", "sapo": mean over sequences of each sequence's token mean (length clamped to >= 1).
     - "bnpo": token mean over the batch given, Σ loss / max(Σ mask, 1).
-    - "dapo": Σ loss / `normalizer`: the token count of the whole accumulated batch over every
-      process (TRL's `num_items_in_batch` rescaled); None = this batch's count, as "bnpo".
+    - "dapo", "cispo", "vespo": Σ loss / `normalizer`: the token count of the whole accumulated batch
+      over every process (TRL's `num_items_in_batch` rescaled); None = this batch's count, as "bnpo".
     - "dr_grpo": Σ loss / (N · max_completion_length), a constant (Liu et al. 2025, arXiv:2503.20783).
+    - "luspo": mean over sequences of each sequence's token sum (length-unbiased, TRL 1.16).
 
     Padding never reaches the sum (NaN at a pad cannot leak in, unlike TRL's `loss * mask`).
 
@@ -232,11 +287,14 @@ def aggregate_loss(
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
-    if normalizer is not None and loss_type != "dapo":
-        raise ValueError(f"normalizer is for loss_type='dapo' only, got it with loss_type={loss_type!r}")
+    if normalizer is not None and loss_type not in TOKEN_SUM_LOSS_TYPES:
+        raise ValueError(f"normalizer is for loss_type {TOKEN_SUM_LOSS_TYPES} only, got it with "
+                         f"loss_type={loss_type!r}")
     tokens = response_mask.bool().sum(dim=-1).to(per_token_loss.dtype)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return (masked_sum(per_token_loss, response_mask, dim=-1) / tokens.clamp(min=1.0)).mean()
+    if loss_type == "luspo":
+        return masked_sum(per_token_loss, response_mask, dim=-1).mean()
     total = masked_sum(per_token_loss, response_mask)
     if loss_type == "dr_grpo":
         if max_completion_length is None or not max_completion_length > 0:

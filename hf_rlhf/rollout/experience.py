@@ -31,6 +31,10 @@ class Experience:
     advantages: torch.Tensor  # (B, R) the estimator's advantages (GAE: whitened when `whiten_advantages`)
     returns: torch.Tensor  # (B, R) GAE: value targets (unwhitened advantages + old values); see estimate_advantages
     context_mask: torch.Tensor | None = None  # (B, R) 1 on every response-side token in the context; None: = mask
+    # with the sampler correction (`PPOConfig.vllm_importance_sampling_correction`), else None:
+    sampling_logprobs: torch.Tensor | None = None  # (B, R) log π_sampler(token): the engine's, as it sampled
+    sampling_ratio: torch.Tensor | None = None  # (B, R) π_old / π_sampler truncated or masked (a row's one value
+    # repeated over its tokens in the sequence modes), the loss's per-token weight
 
     def __post_init__(self):
         if self.context_mask is None:  # one turn: the context is the response itself
@@ -44,8 +48,9 @@ class Experience:
         return tuple(f.name for f in fields(cls))
 
     def to_dict(self) -> dict[str, torch.Tensor]:
-        """The fields as a dict (a micro-batch for the Trainer: no key is named `labels`)."""
-        return {name: getattr(self, name) for name in self.field_names()}
+        """The fields as a dict, those that are None left out (a micro-batch for the Trainer: no key is named
+        `labels`)."""
+        return {name: getattr(self, name) for name in self.field_names() if getattr(self, name) is not None}
 
     @classmethod
     def from_dict(cls, data: dict) -> Experience:

@@ -183,11 +183,13 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
         raise ValueError("the prompts are conversational but the tokenizer has no chat template")
     if "input_ids" not in dataset.column_names:
         prefix = special_prefix(tokenizer)
+        template_kwargs = getattr(args, "chat_template_kwargs", None) or {}  # TRL GRPOConfig's (enable_thinking, ...)
 
         def tokenize(batch):  # a batch of rows: plain prompts in one call into the tokenizer's batch encoder
             if conversational:
                 ids = [tokenizer.apply_chat_template(list(prompt), tokenize=True, return_dict=True,
-                                                     add_generation_prompt=True, tools=tools or None)["input_ids"]
+                                                     add_generation_prompt=True, tools=tools or None,
+                                                     **template_kwargs)["input_ids"]
                        for prompt in batch["prompt"]]
             else:
                 encoded = encode_plain_batch(tokenizer, list(batch["prompt"]))
@@ -254,6 +256,7 @@ class ExperienceLoader:
             rank, r), so a resumed run draws the same ones with no state saved (`refill_indices`).
         group_by_length: re-cut each optimizer step's micro-batches by length (`group_steps_by_length`); the cut is
             part of the rollout's state, so a resumed run reads it from the checkpoint.
+        shuffle: False takes the prompts in dataset order every epoch (TRL GRPOConfig's `shuffle_dataset=False`).
     """
 
     def __init__(self, dataset, make_experience: Callable, *, rollout_batch_size: int, micro_batch_size: int,
@@ -261,7 +264,8 @@ class ExperienceLoader:
                  gradient_accumulation_steps: int = 1, get_global_step: Callable[[], int] = lambda: 0,
                  get_resume_dir: Callable[[], str | None] = lambda: None, device=None,
                  extra_batch: Callable[[int], dict] | None = None, num_generations: int = 1,
-                 refill: bool = False, group_by_length: bool = False):
+                 refill: bool = False, group_by_length: bool = False, shuffle: bool = True):
+        self.shuffle = shuffle
         if num_generations < 1 or rollout_batch_size % num_generations:
             raise ValueError(f"rollout_batch_size={rollout_batch_size} is not a multiple of num_generations="
                              f"{num_generations}")
@@ -309,7 +313,9 @@ class ExperienceLoader:
     def rollout_indices(self, epoch: int, rollout: int) -> list[int]:
         """Dataset indices of this rank's prompts for one rollout (each once: `num_generations` not applied)."""
         if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, torch.randperm(len(self._dataset), generator=seeded_generator(self.seed, epoch)))
+            order = torch.randperm(len(self._dataset), generator=seeded_generator(self.seed, epoch)) if self.shuffle \
+                else torch.arange(len(self._dataset))
+            self._order = (epoch, order)
         order = self._order[1]
         start = (rollout * self.num_processes + self.process_index) * self.prompts_per_rollout
         return order[start:start + self.prompts_per_rollout].tolist()

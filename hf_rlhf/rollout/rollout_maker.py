@@ -16,6 +16,7 @@ from trl.models.utils import unwrap_model_for_generation
 
 from ..collators import LeftPaddingCollator
 from ..generation import GenerationOutput, build_engine
+from ..losses.grpo import sampling_importance_ratio, sampling_mismatch_sums
 from ..models.adapters import adapter_scope, unwrap_peft
 from ..models.policy_value import response_scores
 from ..rewards.base import RewardError, check_scores
@@ -96,6 +97,9 @@ class RolloutMaker:
         self.capture_decoding = capture_decoding
         self._capture_checked = False
         self.lm_heads = lm_heads
+        # NaN (a reward function's None) scores a row as "not scored": out of its group's baseline, advantage 0 (TRL's
+        # GRPO; `GRPOTrainer` turns it on for the grpo estimator)
+        self.allow_unscored = False
 
     @torch.no_grad()
     def make(self, model, rows: list[dict], kl_coef: float, reward_moments=None, row_indices=None, refill=None):
@@ -131,6 +135,10 @@ class RolloutMaker:
         # `logprobs_from_generation` they (and a value head's values) come off the decoding, the forward skipped too
         # (run once more on the first such rollout, to check that the two agree)
         model.eval()
+        sampling_logprobs = None
+        if args.sampling_correction:  # the engine's log-probs are the sampler's; the forward below the trainer's
+            sampling_logprobs = self._decoded_scores(model, (captured[0], None), response_mask)[0]
+            captured = None
         policy_forward = not args.old_logprobs_in_loss and (captured is None or not self._capture_checked)
         old_logprobs, old_values, ref_logprobs = self._forward(model, query_ids, query_mask, response_ids,
                                                                context_mask, policy=policy_forward)
@@ -155,9 +163,19 @@ class RolloutMaker:
         reduce = self._all_reduce_sum if self.accelerator.num_processes > 1 else None
         rewards, advantages, returns = estimate_advantages(args, scores, kl, response_mask, old_values, kl_coef,
                                                            reduce)
+        if self.allow_unscored:  # unscored rows: advantage 0 already; nothing else of theirs reaches a loss or a mean
+            scores, rewards, returns = (torch.nan_to_num(t, nan=0.0) for t in (scores, rewards, returns))
+            raw_scores = torch.nan_to_num(raw_scores, nan=0.0)
         experience = Experience(query_ids, query_mask, response_ids, response_mask, old_logprobs, ref_logprobs,
                                 old_values, scores, rewards, advantages, returns, context_mask)
         stats = self._stats(experience, kl, raw_scores, stopped, kl_coef)
+        if sampling_logprobs is not None:  # TRL's vllm_importance_sampling_* with this engine as the sampler
+            experience.sampling_logprobs = sampling_logprobs
+            experience.sampling_ratio = sampling_importance_ratio(
+                old_logprobs, sampling_logprobs, response_mask, args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+            stats.update(self._mismatch_stats(old_logprobs, sampling_logprobs, response_mask,
+                                              experience.sampling_ratio))
         stats.update(filter_stats)
         if self.tool_rollout is not None:
             stats.update(self._tool_stats())
@@ -201,7 +219,8 @@ class RolloutMaker:
         else:
             # step 2. sample responses with the KV cache, policy in eval mode (dropout off, as for the old log-probs)
             with self._generator(model.policy) as generate:
-                out = generate(query_ids, query_mask, self.args.response_length, capture=self.capture_decoding,
+                out = generate(query_ids, query_mask, self.args.response_length,
+                               capture=self.capture_decoding or self.args.sampling_correction,
                                hidden=self.capture_decoding and model.reads_policy_hidden)
             captured = None if out.logprobs is None else (out.logprobs, out.hidden)
 
@@ -213,6 +232,17 @@ class RolloutMaker:
         # step 4. score the decoded text (each reward source re-tokenizes it its own way)
         raw_scores = self._score(prompts, completions, batch, row_indices).to(device)
         return (query_ids, query_mask, response_ids, response_mask, context_mask, stopped, raw_scores), captured
+
+    def _mismatch_stats(self, old_logprobs, sampling_logprobs, mask, ratio) -> dict[str, float]:
+        """TRL's `sampling/*` metrics: each process's mean / extreme, then their mean / extreme over processes."""
+        sums = sampling_mismatch_sums(old_logprobs, sampling_logprobs, mask, ratio,
+                                      self.args.vllm_importance_sampling_mode)
+        names = list(sums)
+        values = torch.stack([sums[n].float() for n in names])
+        means = self.accelerator.reduce(values.clone(), reduction="mean")
+        signs = torch.tensor([-1.0 if n.endswith("/min") else 1.0 for n in names], device=values.device)
+        extremes = self.accelerator.reduce(values * signs, reduction="max") * signs  # min as -max(-x)
+        return {n: (means[i] if n.endswith("/mean") else extremes[i]).item() for i, n in enumerate(names)}
 
     def _tool_stats(self) -> dict[str, float]:
         """TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failed / calls), over
@@ -293,8 +323,13 @@ class RolloutMaker:
                               top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, eos_token_id=self.stop_token_id,
                               generation_kwargs=args.generation_kwargs, return_logprobs=capture, return_hidden=hidden)
                 chunks, order = [], self._row_chunks(query_mask)
+                multiple = getattr(args, "pad_to_multiple_of", None)  # TRL GRPOConfig's, for the generation's shapes
                 for rows in order:  # each chunk without the prompt columns that are padding in all its rows
                     start = left_padding(query_mask[rows])
+                    if multiple:  # keep (or add) left padding up to a multiple of it
+                        query_ids, query_mask = _left_pad_to(query_ids, query_mask, multiple, pad)
+                        start = left_padding(query_mask[rows])
+                        start -= (-(query_mask.shape[1] - start)) % multiple
                     chunks.append(self.engine.generate(unwrapped, query_ids[rows, start:], query_mask[rows, start:],
                                                        **kwargs))
                 width = max(chunk.response_ids.shape[1] for chunk in chunks)
@@ -332,7 +367,8 @@ class RolloutMaker:
             if err.row is None or row_indices is None:
                 raise
             raise RewardError(f"{err} [dataset row {row_indices[err.row]}]", err.row) from err
-        return check_scores(scores, len(completions), "compute_rewards", prompts, completions)
+        return check_scores(scores, len(completions), "compute_rewards", prompts, completions,
+                            allow_none=self.allow_unscored)
 
     def _forward(self, model, query_ids, query_mask, response_ids, response_mask, policy: bool = True):
         """(old log-probs, old values, reference log-probs), each (B, R); without `policy` the first two are zeros
@@ -429,7 +465,8 @@ class RolloutMaker:
         """Normalise, clip, then subtract the missing-eos penalty (see `PPOConfig`)."""
         args, scores = self.args, raw_scores.float()
         if args.reward_normalization == "running":
-            reward_moments.update(self.accelerator.gather(scores))  # the same statistics on every rank
+            gathered = self.accelerator.gather(scores)  # the same statistics on every rank (unscored rows left out)
+            reward_moments.update(gathered[~torch.isnan(gathered)])
             scores = reward_moments.normalize(scores)
         elif args.reward_normalization == "model_stats":
             scores = (scores - self.reward_stats["reward_mean"]) / (self.reward_stats["reward_std"] + 1e-8)
@@ -464,6 +501,14 @@ class RolloutMaker:
                 self.args.missing_eos_penalty,
                 "applied" if self.args.missing_eos_penalty is not None else "not set, so nothing was subtracted")
         return stats
+
+
+def _left_pad_to(ids: torch.Tensor, mask: torch.Tensor, multiple: int, pad: int):
+    """(B, Q) ids and mask left-padded to a width that is a multiple of `multiple` (unchanged when it is one)."""
+    extra = (-ids.shape[1]) % multiple
+    if not extra:
+        return ids, mask
+    return F.pad(ids, (extra, 0), value=pad), F.pad(mask, (extra, 0), value=0)
 
 
 def _cat_left_padded(parts: list[torch.Tensor], value) -> torch.Tensor:

@@ -45,6 +45,7 @@ class EnvironmentPool:
             raise ValueError(f"the environment returned by environment_factory ({type(probe).__name__}) must define "
                              "a callable `reset`")
         self.has_reward = callable(getattr(probe, "get_reward", None))
+        self.name = type(probe).__name__  # TRL's name of its reward (`reward_func_names`)
         self.template_tools = self.tools + environment_methods(probe)  # what the prompts are rendered with
         tool_dict(self.template_tools)
         self._pool, self._cursor = [probe], 0

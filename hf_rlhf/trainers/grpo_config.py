@@ -12,12 +12,18 @@ max_completion_length=..., steps_per_generation=...)`. Each TRL option here is o
 - converted: steps_per_generation / generation_batch_size -> rollout_batch_size (per device: per_device_train_batch_size
   x steps_per_generation); min_p, repetition_penalty, cache_implementation -> generation_kwargs; reward_weights and
   use_bias_correction_kl are read by `GRPOTrainer`;
-- accepted and unused where TRL ignores it too in the same run (the vllm_* options without use_vllm, the sapo_* /
-  vespo_* options of loss types not offered here, the adaptive-entropy bounds without use_adaptive_entropy, ...:
+- implemented under TRL's name and meaning (`IMPLEMENTED`: the loss types' parameters, delta, the masks, adaptive
+  entropy and the sampler correction of `PolicyLossOptions`, which every PPOConfig has; and here
+  multi_objective_aggregation, sync_ref_model, log_completions, chat_template_kwargs, cast_lm_head_to_fp32, the MoE
+  router loss, model_init_kwargs / trust_remote_code, shuffle_dataset, pad_to_multiple_of);
+- accepted and unused where TRL ignores it too in the same run (the vllm_* server options without use_vllm, ...:
   `IGNORED_AS_IN_TRL`);
-- refused with the reason when set to anything but TRL's default (`REFUSED`).
+- refused with the reason when set to anything but TRL's default (`REFUSED`: use_vllm, since vLLM cannot be
+  installed here, and the transformers paged / continuous-batching engines).
 
-Defaults are TRL's, except `disable_dropout=True` (the rollout's old log-probs are exact only without dropout) and
+Defaults are TRL's, except `vllm_importance_sampling_correction=None` (TRL's True acts only with vLLM; here True
+turns the correction on for any engine), `disable_dropout=True` (the rollout's old log-probs are exact only without
+dropout) and
 `bf16` / `gradient_checkpointing` (device-aware, as every hf_rlhf config).
 """
 
@@ -37,39 +43,33 @@ GENERATION_OPTIONS = {"min_p": None, "repetition_penalty": 1.0, "cache_implement
 IGNORED_AS_IN_TRL = {
     "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex", "vllm_server_base_url",
     "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization",
-    "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_importance_sampling_correction",
-    "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
-    "vllm_importance_sampling_cap",  # without use_vllm
-    "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-    "vespo_lambda_neg",  # loss_type sapo / vespo only (refused by loss_type's choices)
-    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",  # use_adaptive_entropy only
-    "ref_model_mixup_alpha", "ref_model_sync_steps",  # sync_ref_model only
-    "num_completions_to_print", "log_multimodal", "log_completions_hub_repo",  # log_completions only
+    "vllm_max_model_length", "vllm_tensor_parallel_size",  # without use_vllm
+    "log_multimodal",  # images in the completions table: no image inputs here
     "transformers_continuous_batching_config",  # use_transformers_continuous_batching only
     "num_generations_eval",  # evaluation only: GRPOTrainer has no evaluation loop
 }
 # TRL option -> why it cannot apply; refused when set to anything but TRL's default
 REFUSED = {
-    "model_init_kwargs": "pass model_config=hf_rlhf.ModelConfig(dtype=..., attn_implementation=...) to GRPOTrainer, "
-                         "or a loaded model",
-    "trust_remote_code": "pass model_config=hf_rlhf.ModelConfig(trust_remote_code=True), or a loaded model",
-    "router_aux_loss_coef": "the MoE router loss is not added by GRPOTrainer",
-    "cast_lm_head_to_fp32": "not implemented; load the model in float32 (the default on CPU) instead",
-    "shuffle_dataset": "the prompt order is always a seeded shuffle (set data_seed), so that resume can replay it",
-    "pad_to_multiple_of": "the rollout left-pads prompts itself (generation_backend='static' buckets them by 32)",
-    "chat_template_kwargs": "not implemented: render the prompts yourself or set the tokenizer's chat template",
-    "use_vllm": "vLLM cannot be used; generation_backend picks the engine (generate, static, lean)",
-    "delta": "two-sided clipping is not implemented",
-    "multi_objective_aggregation": "only TRL's default, 'sum_then_normalize', is implemented",
-    "top_entropy_quantile": "the high-entropy token mask is not implemented",
-    "sync_ref_model": "TR-DPO style reference syncing is not implemented for GRPO",
-    "use_adaptive_entropy": "the adaptive entropy coefficient is not implemented; entropy_coef is fixed",
-    "off_policy_mask_threshold": "the off-policy sequence mask is not implemented",
-    "log_completions": "use hf_rlhf.callbacks.SampleCompletionsCallback to log sample completions",
-    "log_unique_prompts": "not implemented",
+    "use_vllm": "vLLM cannot be installed here; generation_backend picks the engine (generate, static, lean), and "
+                "vllm_importance_sampling_correction=True corrects for any engine's sampling log-probs",
     "use_transformers_continuous_batching": "use generation_backend ('generate', 'static' or 'lean')",
     "use_transformers_paged": "use generation_backend ('generate', 'static' or 'lean')",
+    "log_completions_hub_repo": "no Hub here: log_completions writes completions.jsonl into output_dir and the "
+                                "table through report_to",
 }
+# TRL's GRPO options this module implements (read by GRPOTrainer / PPOTrainer, `PolicyLossOptions` for the loss)
+IMPLEMENTED = {
+    "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+    "vespo_lambda_neg", "off_policy_mask_threshold", "top_entropy_quantile", "use_adaptive_entropy",
+    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
+    "multi_objective_aggregation", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+    "log_completions", "num_completions_to_print", "log_unique_prompts", "chat_template_kwargs",
+    "cast_lm_head_to_fp32", "router_aux_loss_coef", "model_init_kwargs", "trust_remote_code", "shuffle_dataset",
+    "pad_to_multiple_of",
+}
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 @dataclass
@@ -113,29 +113,37 @@ class GRPOConfig(PPOConfig):
         default=None, metadata={"help": "Weight of each reward function (default: 1 each)."})
     use_bias_correction_kl: bool = field(
         default=True, metadata={"help": "Multiply the per-token KL by the importance ratio (TRL's default)."})
+    # models (TRL's model_init_kwargs / trust_remote_code: mapped to hf_rlhf.ModelConfig when the model is a path)
+    model_init_kwargs: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "from_pretrained keywords for a model given by path (dtype, attn_implementation, revision, ...)."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Trust the model repository's own code."})
+    router_aux_loss_coef: float | None = field(default=None, metadata={
+        "help": "MoE router load-balancing loss weight; None: the model config's own (0 off)."})
+    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "Compute the LM head in float32."})
+    # data
+    shuffle_dataset: bool = field(default=True, metadata={"help": "False: prompts in dataset order."})
+    pad_to_multiple_of: int | str | None = field(default="auto", metadata={
+        "help": "Left-pad each prompt batch to a multiple of this many tokens ('auto': none off Neuron)."})
+    chat_template_kwargs: dict | str | None = field(default=None, metadata={
+        "help": "Keywords for apply_chat_template (e.g. {'enable_thinking': False})."})
+    multi_objective_aggregation: str = field(default="sum_then_normalize", metadata={
+        "help": "sum_then_normalize (GRPO) or normalize_then_sum (GDPO: each reward normalised in its group first).",
+        "choices": list(MULTI_OBJECTIVE_AGGREGATIONS)})
+    # reference syncing (TR-DPO)
+    sync_ref_model: bool = field(default=False, metadata={"help": "Mix the policy into the reference (TR-DPO)."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "α: ref = α·policy + (1 − α)·ref."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "Optimizer steps between reference syncs."})
+    # logging
+    log_completions: bool = field(default=False, metadata={
+        "help": "Log each rollout's prompts, completions, rewards and advantages (report_to, completions.jsonl)."})
+    num_completions_to_print: int | None = field(default=None, metadata={"help": "Rows printed (None: all)."})
+    log_unique_prompts: bool = field(default=False, metadata={"help": "Print each prompt once."})
     # TRL options refused when set (REFUSED gives why), at TRL's defaults
-    model_init_kwargs: dict[str, Any] | str | None = field(default=None,
-                                                           metadata={"help": REFUSED["model_init_kwargs"]})
-    trust_remote_code: bool = field(default=False, metadata={"help": REFUSED["trust_remote_code"]})
-    router_aux_loss_coef: float | None = field(default=None, metadata={"help": REFUSED["router_aux_loss_coef"]})
-    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": REFUSED["cast_lm_head_to_fp32"]})
-    shuffle_dataset: bool = field(default=True, metadata={"help": REFUSED["shuffle_dataset"]})
-    pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": REFUSED["pad_to_multiple_of"]})
-    chat_template_kwargs: dict | str | None = field(default=None, metadata={"help": REFUSED["chat_template_kwargs"]})
     use_vllm: bool = field(default=False, metadata={"help": REFUSED["use_vllm"]})
-    delta: float | None = field(default=None, metadata={"help": REFUSED["delta"]})
-    multi_objective_aggregation: str = field(default="sum_then_normalize",
-                                             metadata={"help": REFUSED["multi_objective_aggregation"]})
-    top_entropy_quantile: float = field(default=1.0, metadata={"help": REFUSED["top_entropy_quantile"]})
-    sync_ref_model: bool = field(default=False, metadata={"help": REFUSED["sync_ref_model"]})
-    use_adaptive_entropy: bool = field(default=False, metadata={"help": REFUSED["use_adaptive_entropy"]})
-    off_policy_mask_threshold: float | None = field(default=None,
-                                                    metadata={"help": REFUSED["off_policy_mask_threshold"]})
-    log_completions: bool = field(default=False, metadata={"help": REFUSED["log_completions"]})
-    log_unique_prompts: bool = field(default=False, metadata={"help": REFUSED["log_unique_prompts"]})
     use_transformers_continuous_batching: bool = field(
         default=False, metadata={"help": REFUSED["use_transformers_continuous_batching"]})
     use_transformers_paged: bool = field(default=False, metadata={"help": REFUSED["use_transformers_paged"]})
+    log_completions_hub_repo: str | None = field(default=None, metadata={"help": REFUSED["log_completions_hub_repo"]})
     # TRL options accepted and unused, as TRL leaves them unused in the same run (IGNORED_AS_IN_TRL)
     vllm_mode: str = "colocate"
     vllm_model_impl: str = "vllm"
@@ -149,26 +157,7 @@ class GRPOConfig(PPOConfig):
     vllm_gpu_memory_utilization: float = 0.3
     vllm_max_model_length: int | None = None
     vllm_tensor_parallel_size: int = 1
-    vllm_importance_sampling_correction: bool = True
-    vllm_importance_sampling_mode: str = "sequence_mask"
-    vllm_importance_sampling_clip_max: float = 3.0
-    vllm_importance_sampling_clip_min: float | None = None
-    vllm_importance_sampling_cap: float | None = None
-    sapo_temperature_neg: float = 1.05
-    sapo_temperature_pos: float = 1.0
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    entropy_coef_min: float = 0.0
-    entropy_coef_max: float = 1.0
-    entropy_coef_delta: float = 0.005
-    entropy_target: float = 0.2
-    ref_model_mixup_alpha: float = 0.6
-    ref_model_sync_steps: int = 512
-    num_completions_to_print: int | None = None
     log_multimodal: bool = True
-    log_completions_hub_repo: str | None = None
     transformers_continuous_batching_config: dict | None = None
     num_generations_eval: int | None = None
 
@@ -177,6 +166,21 @@ class GRPOConfig(PPOConfig):
             self.scale_rewards = "group" if self.scale_rewards else "none"
         if self.pad_to_multiple_of in ("auto", "none", "None", "null"):  # TRL's "auto" pads on Neuron only
             self.pad_to_multiple_of = None
+        elif isinstance(self.pad_to_multiple_of, str):  # from the command line, as TRL
+            self.pad_to_multiple_of = int(self.pad_to_multiple_of)
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ValueError(f"GRPOConfig.pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}.")
+        for name in ("model_init_kwargs", "chat_template_kwargs"):  # a JSON string from the command line, as TRL
+            if isinstance(getattr(self, name), str):
+                import json
+
+                setattr(self, name, json.loads(getattr(self, name)))
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            if self.advantage_estimator != "grpo":
+                raise ValueError("GRPOConfig: multi_objective_aggregation='normalize_then_sum' is GRPO's advantage "
+                                 f"(GDPO); advantage_estimator={self.advantage_estimator!r} has its own.")
+            # TRL normalises the summed rewards over the batch and reads no scale_rewards in this branch
+            self.scale_rewards = "batch"
         defaults = {f.name: f.default for f in fields(self)}
         defaults["pad_to_multiple_of"] = None  # "auto", as normalised above
         for name in REFUSED:

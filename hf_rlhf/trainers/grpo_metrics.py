@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..rl.critic_free import nanstd
+
 
 def completion_metrics(lengths: torch.Tensor, stopped: torch.Tensor) -> dict[str, float]:
     """TRL's `completions/*`.
@@ -31,7 +33,8 @@ def completion_metrics(lengths: torch.Tensor, stopped: torch.Tensor) -> dict[str
 
 
 def _std(x: torch.Tensor) -> torch.Tensor:
-    """The unbiased std of a 1-D tensor (TRL's `nanstd`); 0 for a single value."""
+    """The unbiased std of a 1-D tensor over its non-NaN values (TRL's `nanstd`); 0 for a single value."""
+    x = x[~torch.isnan(x)]
     return x.std() if x.numel() > 1 else torch.zeros(())
 
 
@@ -46,13 +49,13 @@ def reward_metrics(per_func: torch.Tensor, names: list[str], weights: torch.Tens
         weights: (K,) `reward_weights`.
     """
     out = {}
-    for name, scores in zip(names, per_func):
-        out[f"rewards/{name}/mean"] = scores.mean().item()
+    for name, scores in zip(names, per_func):  # NaN: rows the function did not score (TRL's None), left out
+        out[f"rewards/{name}/mean"] = torch.nanmean(scores).item()
         out[f"rewards/{name}/std"] = _std(scores).item()
-    rewards = (weights[:, None] * per_func).sum(0)
+    rewards = (weights[:, None] * per_func).nansum(0).masked_fill(torch.isnan(per_func).all(0), float("nan"))
     groups = rewards.reshape(-1, num_generations)
-    group_std = groups.std(dim=1) if num_generations > 1 else torch.zeros(groups.shape[0])
-    out.update({"reward": rewards.mean().item(), "reward_std": _std(rewards).item(),
+    group_std = nanstd(groups, dim=1) if num_generations > 1 else torch.zeros(groups.shape[0])
+    out.update({"reward": torch.nanmean(rewards).item(), "reward_std": _std(rewards).item(),
                 "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item()})
     return out
 

@@ -29,6 +29,7 @@ from ..rl.critic_free import LOSS_TYPES, SCALE_REWARDS
 from ..rl.kl import KL_ESTIMATORS
 from .base_config import DeviceDefaultsMixin, NonFiniteOptions
 from .config_checks import check_field_types, renamed_options
+from .policy_loss_options import PolicyLossOptions
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 CRITIC_FREE = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -40,7 +41,7 @@ PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
 
 @renamed_options("init_kl_coef", "adap_kl_ctrl", "target", "horizon", "epsilon")
 @dataclass
-class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
+class PPOConfig(InputCheckOptions, NonFiniteOptions, PolicyLossOptions, DeviceDefaultsMixin, TrainingArguments):
     """PPO options (a `TrainingArguments`): every Trainer option works as usual.
 
     Batches (per device; see the module docstring):
@@ -342,6 +343,7 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             self.num_generations = TRL_NUM_GENERATIONS if self.advantage_estimator in GROUP_ESTIMATORS else 1
         self._check_batches()
         self._check_options()
+        self._check_policy_loss_options()
         if self.generation_backend == "lean":  # options it does not implement are refused now, not ignored
             check_lean_options(self.generation_kwargs)
 
@@ -376,10 +378,11 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
         Exact when: each rollout gets one optimizer step (one minibatch, one epoch: the loss sees the rollout's
         weights), no value function is trained (GAE needs the rollout's values), dropout is off (rollout and loss
         then compute alike), the KL does not enter the rewards (`kl_in_loss`, or β = 0) and β is fixed (the adaptive
-        controller reads the rollout's KL before that step).
+        controller reads the rollout's KL before that step), and no sampler correction asks for the rollout-time
+        trainer log-probs beside the sampler's (as TRL computes them with its vLLM correction).
         """
         return (self.critic_free and self.steps_per_rollout == 1 and self.disable_dropout
-                and self.kl_target is None and (self.kl_in_loss or self.kl_coef == 0))
+                and self.kl_target is None and (self.kl_in_loss or self.kl_coef == 0) and not self.sampling_correction)
 
     @property
     def steps_per_rollout(self) -> int:

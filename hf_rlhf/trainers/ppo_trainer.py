@@ -35,7 +35,8 @@ from ..collators import PaddingCollator
 from ..data import as_dataset, prepare_sft_dataset
 from ..data.options import DataOptions
 from ..generation import build_engine
-from ..losses.ppo import importance_log_weights, policy_loss_per_token, value_loss
+from ..losses.grpo import policy_terms
+from ..losses.ppo import importance_log_weights, value_loss
 from ..models.adapters import unwrap_peft
 from ..models.lm_head import resolve_lm_head
 from ..models.loading import check_model_path, disable_dropout, hub_errors, load_model, resolve_model
@@ -46,7 +47,7 @@ from ..models.value_head import reward_config_of
 from ..rewards.base import FunctionReward
 from ..rewards.factory import build_reward_source, check_reward_model_path
 from ..rewards.model import ModelReward
-from ..rl.critic_free import aggregate_loss
+from ..rl.critic_free import TOKEN_SUM_LOSS_TYPES, aggregate_loss
 from ..rl.kl import kl_penalty, sequence_policy_stats
 from ..rollout.experience import Experience
 from ..rollout.loader import ExperienceLoader, prepare_prompt_dataset, seeded_generator, validate_prompt_dataset
@@ -55,9 +56,16 @@ from ..rollout.rollout_maker import KL_METRICS, RolloutMaker, stop_token_id_of
 from ..tensors import masked_sum
 from ..tools import ToolRunner, check_tool_tokenizer, tool_dict
 from ..tools.environments import EnvironmentPool
-from ..training.state_callbacks import EpochFromStepCallback, KLControllerCallback, RewardStatsCallback, find_callback
+from ..training.state_callbacks import (
+    AdaptiveEntropyCallback,
+    EpochFromStepCallback,
+    KLControllerCallback,
+    RewardStatsCallback,
+    find_callback,
+)
 from .base_trainer import BaseTrainer
 from .model_config import ModelConfig
+from .policy_loss_terms import PolicyLossTerms, check_sampling_correction
 from .ppo_config import PPOConfig
 
 logger = logging.getLogger("hf_rlhf")
@@ -88,7 +96,7 @@ def _whole_weights(model):
     return deepspeed.zero.GatheredParameters(parameters)
 
 
-class PPOTrainer(BaseTrainer):
+class PPOTrainer(PolicyLossTerms, BaseTrainer):
     """PPO with a value function, a KL-penalised reward and an adaptive or fixed KL coefficient; or, with
     `PPOConfig.advantage_estimator`, the same loop with a critic-free estimator (GRPO, RLOO, REINFORCE++) and no value
     function built at all.
@@ -163,9 +171,14 @@ class PPOTrainer(BaseTrainer):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
-        if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":  # as TRL 1.16's GRPOTrainer
-            logger.warning("importance_sampling_level='sequence' with loss_type=%r weights each sequence's ratio by "
-                           "its length; GSPO's own objective is loss_type='grpo'", args.loss_type)
+        if args.importance_sampling_level == "sequence" and args.loss_type == "vespo":  # TRL's warnings, its words
+            logger.warning("VESPO computes sequence-level importance weights internally. `importance_sampling_level` "
+                           "should be set to `'token'` (the default).")
+        if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            logger.warning("When using `importance_sampling_level='sequence'`, the %r loss sums per-token "
+                           "contributions, which effectively weights each sequence by its completion length instead "
+                           "of optimizing the per-sequence objective; GSPO's own objective is loss_type='grpo'",
+                           args.loss_type)
         if train_dataset is None:
             raise ValueError("PPOTrainer needs a train_dataset of prompts.")
         if ref_model is not None and ref_model is model:
@@ -207,7 +220,7 @@ class PPOTrainer(BaseTrainer):
             if isinstance(path, str) and resolve_value_adapter(path) is None:
                 check_model_path(path, what)
         set_seed(args.seed)  # as the Trainer does, but before the value head (and a value adapter) are initialised
-        policy, model_config = resolve_model(model, model_config)
+        policy, model_config = resolve_model(model, model_config, **self.model_init_kwargs(model, args))
         processing_class = self.resolve_tokenizer(processing_class, policy)
         if processing_class.pad_token is None:  # PPO tracks padding with masks, never by id: eos is safe (as TRL)
             processing_class.pad_token = processing_class.eos_token
@@ -239,6 +252,8 @@ class PPOTrainer(BaseTrainer):
         own = [KLControllerCallback(args.kl_coef, args.kl_target, args.kl_horizon), EpochFromStepCallback()]
         if args.reward_normalization == "running":
             own.append(RewardStatsCallback())
+        if args.use_adaptive_entropy:
+            own.append(AdaptiveEntropyCallback(args.entropy_coef))
         super().__init__(model=module, args=args, train_dataset=train_dataset, processing_class=processing_class,
                          callbacks=own + list(callbacks or []), optimizers=optimizers,
                          eval_dataset=eval_dataset if self.evaluates else None)
@@ -340,6 +355,13 @@ class PPOTrainer(BaseTrainer):
         """`PPOConfig.logprobs_from_generation` decided on this setup (the rollout checks the numbers on its first
         rollout); False where the loss gives the old log-probs anyway."""
         wanted = args.logprobs_from_generation
+        if args.sampling_correction:  # the decoding's log-probs are the sampler's, compared with a policy forward
+            check_sampling_correction(args, multi_turn)
+            if wanted:
+                raise ValueError("logprobs_from_generation=True takes the old log-probs off the decoding, and "
+                                 "vllm_importance_sampling_correction=True compares those with the trainer's "
+                                 "forward: set one of them")
+            return False
         if wanted is False or args.old_logprobs_in_loss:
             return False
         reasons = []
@@ -395,7 +417,7 @@ class PPOTrainer(BaseTrainer):
             get_global_step=lambda: self.state.global_step, get_resume_dir=lambda: self._resume_from,
             device=self.accelerator.device, extra_batch=self._ptx_batch if self.ptx_dataset is not None else None,
             num_generations=args.num_generations, refill=args.filter_groups,
-            group_by_length=args.micro_batches_by_length)
+            group_by_length=args.micro_batches_by_length, shuffle=getattr(args, "shuffle_dataset", True))
         return self._loader
 
     def compute_rewards(self, prompts: list, completions: list, **columns) -> torch.Tensor:
@@ -487,13 +509,17 @@ class PPOTrainer(BaseTrainer):
         # (the LM head in chunks of those tokens where it splits off: `PPOConfig.chunked_lm_head`)
         logprobs, token_entropy, values, ptx_logits = response_scores(
             model, self.lm_heads[0], exp.query_ids, exp.query_mask, exp.response_ids, exp.context_mask,
-            args.temperature, self.share_prompts, entropy_grad=args.entropy_coef > 0, extra_rows=extra)
+            args.temperature, self.share_prompts, entropy_grad=args.entropy_coef > 0 or args.use_adaptive_entropy,
+            extra_rows=extra)
         # one optimizer step per rollout: this forward runs the rollout's weights, so its detached log-probs are
         # the old ones (the rollout skipped its own policy forward; `PPOConfig.old_logprobs_in_loss`)
         old_logprobs = logprobs.detach() if args.old_logprobs_in_loss else exp.old_logprobs
-        per_token_pg, pg_stats = policy_loss_per_token(logprobs, old_logprobs, exp.advantages, mask,
-                                                       args.cliprange, args.epsilon_high,
-                                                       args.importance_sampling_level)
+        entropy_mask = None
+        if args.top_entropy_quantile < 1.0:  # TRL's 80/20 rule: the loss on the high-entropy tokens only
+            entropy_mask = self.get_high_entropy_mask(token_entropy.detach(), mask, 1 - args.top_entropy_quantile)
+        # the loss type, its masks and the sampler correction (`hf_rlhf.losses.grpo`, TRL's order)
+        per_token_pg, pg_stats = policy_terms(args, logprobs, old_logprobs, exp.advantages, mask,
+                                              exp.sampling_logprobs, exp.sampling_ratio, entropy_mask)
         per_token_loss, sums = per_token_pg, {"loss/policy_avg": masked_sum(per_token_pg.detach(), mask)}
         if args.kl_in_loss and args.uses_reference:  # GRPO: β·KL per token, β the rollout's (the controller's)
             kl = kl_penalty(logprobs, exp.ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
@@ -503,15 +529,19 @@ class PPOTrainer(BaseTrainer):
             per_token_loss = per_token_pg + inputs["rollout_stats"]["objective/kl_coef"] * kl
             sums["loss/kl_avg"] = masked_sum(kl.detach(), mask)
         loss = self._aggregate(per_token_loss, mask, normalizer)
+        pg_stats["policy_loss"] = loss.detach() * (  # TRL's `policy_loss`: before the accumulation's scaling
+            1 if args.loss_type in TOKEN_SUM_LOSS_TYPES else self.current_gradient_accumulation_steps)
         means = {"policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
-                 "val/ratio": pg_stats["ratio"]}
+                 "val/ratio": pg_stats["ratio_mean"]}
         if not args.critic_free:
             vf_loss, vf_stats = value_loss(values, exp.old_values, exp.returns, mask, args.cliprange_value, normalizer)
             loss = loss + args.vf_coef * vf_loss
             sums["loss/value_avg"], means["val/clipfrac_avg"] = vf_loss * normalizer, vf_stats["clipfrac"]
-        entropy = masked_sum(token_entropy, mask) / normalizer
-        loss = loss - args.entropy_coef * entropy
-        sums["policy/entropy_avg"] = entropy * normalizer
+        # the bonus on the tokens the policy loss acts on (TRL: the entropy mask's), the metric on every token
+        bonus_mask = mask if entropy_mask is None else mask * entropy_mask
+        loss = loss - self._entropy_coef(token_entropy, bonus_mask) * masked_sum(token_entropy, bonus_mask) / normalizer
+        sums["policy/entropy_avg"] = masked_sum(token_entropy.detach(), mask)
+        loss = loss + self._aux_loss()
 
         tokens = mask.sum().float()
         metrics = self.metrics["train"]
@@ -521,7 +551,7 @@ class PPOTrainer(BaseTrainer):
             metrics.add(name, value * tokens, tokens)
         for name, value in inputs["rollout_stats"].items():
             metrics.add(name, value)
-        self.log_policy_terms(metrics, logprobs.detach(), old_logprobs.detach(), exp.advantages, mask)
+        self.log_policy_terms(metrics, logprobs.detach(), old_logprobs.detach(), exp.advantages, mask, pg_stats)
         if args.old_logprobs_in_loss:  # the rollout's policy statistics, from this forward (per sequence means)
             detached = logprobs.detach()
             token_kl = kl_penalty(detached, exp.ref_logprobs, args.kl_estimator, clamp=args.kl_clamp)
@@ -536,13 +566,14 @@ class PPOTrainer(BaseTrainer):
             metrics.add("loss/ptx_avg", ptx_loss)
         return (loss, {"logprobs": logprobs, "values": values}) if return_outputs else loss
 
-    def log_policy_terms(self, metrics, logprobs, old_logprobs, advantages, mask) -> None:
-        """Hook for more per-micro-batch policy metrics (`GRPOTrainer`: TRL's clip ratios); all (B, T), detached."""
+    def log_policy_terms(self, metrics, logprobs, old_logprobs, advantages, mask, stats=None) -> None:
+        """Hook for more per-micro-batch policy metrics (`GRPOTrainer`: TRL's clip ratios); all (B, T), detached;
+        `stats`: those of `hf_rlhf.losses.grpo.grpo_policy_loss_per_token`."""
 
     def _aggregate(self, per_token_loss, mask, normalizer):
         """The policy loss reduced as `loss_type` says, scaled for gradient accumulation (as TRL's GRPO)."""
-        if self.args.loss_type == "dapo":  # the optimizer step's token count: micro-batches add up to its token mean
-            return aggregate_loss(per_token_loss, mask, "dapo", normalizer=normalizer)
+        if self.args.loss_type in TOKEN_SUM_LOSS_TYPES:  # the step's token count: micro-batches add up to its mean
+            return aggregate_loss(per_token_loss, mask, self.args.loss_type, normalizer=normalizer)
         # per micro-batch reductions, averaged over the step's micro-batches (bnpo thus depends on how they are cut)
         loss = aggregate_loss(per_token_loss, mask, self.args.loss_type, self.args.response_length)
         return loss / self.current_gradient_accumulation_steps

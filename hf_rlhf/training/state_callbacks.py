@@ -95,3 +95,14 @@ class EpochFromStepCallback(TrainerCallback):
             return
         steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
         state.epoch = state.global_step / steps_per_epoch
+
+
+class AdaptiveEntropyCallback(_SelfRestoringState, TrainerCallback):
+    """Holds TRL's adaptive entropy coefficient (`use_adaptive_entropy`): `coef`, and `last`, the token-mean entropy
+    of the last optimizer step (inf before the first), so that a resumed run applies the same bonus."""
+
+    def __init__(self, coef: float = 0.0):
+        self.coef, self.last, self.window = coef, math.inf, None
+
+    def state(self) -> dict:
+        return {"args": {"coef": self.coef}, "attributes": {"coef": self.coef, "last": self.last}}

@@ -329,9 +329,9 @@ def test_aggregate_loss_by_hand():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(loss_type="cispo"), "loss_type must be one of grpo, bnpo, dapo, dr_grpo"),
+    (dict(loss_type="gspo"), "loss_type must be one of grpo, bnpo, dapo, dr_grpo, cispo, sapo, luspo, vespo"),
     (dict(loss_type="dr_grpo"), "needs max_completion_length"),
-    (dict(loss_type="grpo", normalizer=4), "for loss_type='dapo' only"),
+    (dict(loss_type="grpo", normalizer=4), "normalizer is for loss_type"),
     (dict(loss_type="dapo", normalizer=0), "normalizer must be > 0"),
 ])
 def test_aggregate_loss_errors(kwargs, match):
@@ -343,8 +343,10 @@ def trl_aggregate(per_token_loss, mask, loss_type, max_completion_length, num_it
     # trl 1.16.0, trl/trainer/grpo_trainer.py, GRPOTrainer._compute_loss, lines 3153-3174, before the division by
     # the gradient accumulation steps; "dapo" with one process and current_gradient_accumulation_steps ==
     # steps_per_generation, so its normalizer is num_items_in_batch
-    if loss_type == "grpo":
+    if loss_type in ["grpo", "sapo"]:
         return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "luspo":
+        return (per_token_loss * mask).sum(-1).mean()
     if loss_type == "bnpo":
         return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
@@ -352,14 +354,14 @@ def trl_aggregate(per_token_loss, mask, loss_type, max_completion_length, num_it
     return (per_token_loss * mask).sum() / num_items_in_batch.clamp(min=1.0)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"])
 def test_aggregate_loss_equals_trl(loss_type):
     _, _, mask = random_rollout(4, n=16, t=32)
     mask[3] = 0  # an empty row: TRL clamps its length to 1
     per_token_loss = torch.randn(16, 32, generator=torch.Generator().manual_seed(5))
     num_items = mask.sum() * 3  # the whole accumulated batch holds more tokens than this micro-batch
     ours = aggregate_loss(per_token_loss, mask, loss_type, max_completion_length=32,
-                          normalizer=num_items if loss_type == "dapo" else None)
+                          normalizer=num_items if loss_type in ("dapo", "cispo", "vespo") else None)
     reference = trl_aggregate(per_token_loss, mask, loss_type, 32, num_items)
     compare(f"aggregate_loss {loss_type} vs TRL 1.16", ours, reference)
 

@@ -10,7 +10,7 @@ import trl
 from transformers import TrainingArguments
 
 from hf_rlhf import GRPOConfig, GRPOTrainer, PPOConfig
-from hf_rlhf.trainers.grpo_config import GENERATION_OPTIONS, IGNORED_AS_IN_TRL, REFUSED, TRL_NAMES
+from hf_rlhf.trainers.grpo_config import GENERATION_OPTIONS, IGNORED_AS_IN_TRL, IMPLEMENTED, REFUSED, TRL_NAMES
 
 TRAINING_ARGS = {f.name for f in dataclasses.fields(TrainingArguments)}
 SAME_NAME = {"num_generations", "temperature", "top_p", "top_k", "epsilon_high", "loss_type", "scale_rewards",
@@ -18,13 +18,8 @@ SAME_NAME = {"num_generations", "temperature", "top_p", "top_k", "epsilon_high",
              "ds3_gather_for_generation", "generation_kwargs", "disable_dropout"}
 READ_BY_TRAINER = {"reward_weights", "use_bias_correction_kl", "steps_per_generation", "generation_batch_size"}
 # TRL's documented non-default values of the refused options, each refused with its reason
-REFUSED_VALUES = {"model_init_kwargs": {"dtype": "bfloat16"}, "trust_remote_code": True, "router_aux_loss_coef": 0.01,
-                  "cast_lm_head_to_fp32": True, "shuffle_dataset": False, "pad_to_multiple_of": 8,
-                  "chat_template_kwargs": {"enable_thinking": False}, "use_vllm": True, "delta": 2.0,
-                  "multi_objective_aggregation": "normalize_then_sum", "top_entropy_quantile": 0.2,
-                  "sync_ref_model": True, "use_adaptive_entropy": True, "off_policy_mask_threshold": 0.5,
-                  "log_completions": True, "log_unique_prompts": True, "use_transformers_continuous_batching": True,
-                  "use_transformers_paged": True}
+REFUSED_VALUES = {"use_vllm": True, "use_transformers_continuous_batching": True, "use_transformers_paged": True,
+                  "log_completions_hub_repo": "user/completions"}
 
 
 def trl_fields():
@@ -36,7 +31,8 @@ def trl_default(f):
 
 
 def test_every_trl_field_is_classified():
-    classes = [set(TRL_NAMES), SAME_NAME, set(GENERATION_OPTIONS), READ_BY_TRAINER, IGNORED_AS_IN_TRL, set(REFUSED)]
+    classes = [set(TRL_NAMES), SAME_NAME, set(GENERATION_OPTIONS), READ_BY_TRAINER, IGNORED_AS_IN_TRL, set(REFUSED),
+               IMPLEMENTED]
     assert sum(len(c) for c in classes) == len(set().union(*classes)), "a field is in two classes"
     assert set(trl_fields()) == set().union(*classes), "a TRL field is new or gone: classify it"
     ours = {f.name for f in dataclasses.fields(GRPOConfig)}
@@ -52,6 +48,10 @@ def test_trl_defaults_are_ours(tmp_path):
             expected = None  # "auto": no padding off Neuron, as TRL resolves it
         if name in ("steps_per_generation", "generation_batch_size"):
             continue  # resolved from the batch sizes, as TRL does (below)
+        if name == "vllm_importance_sampling_correction":
+            assert ours.vllm_importance_sampling_correction is None  # TRL's True acts with vLLM only: off here
+            assert not ours.sampling_correction
+            continue
         if name == "disable_dropout":
             assert ours.disable_dropout is True  # ours: the rollout's old log-probs are exact only without dropout
             continue

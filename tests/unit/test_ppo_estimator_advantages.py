@@ -99,7 +99,8 @@ def test_config_defaults_are_ppo(tmp_path):
                                                           "be a multiple of num_generations=3"),
     (dict(advantage_estimator="grpo", num_generations=2, scale_rewards="std"),
      r"PPOConfig.scale_rewards='std'; expected one of \['group', 'batch', 'none'\]"),
-    (dict(loss_type="token"), r"PPOConfig.loss_type='token'; expected one of \['grpo', 'bnpo', 'dapo', 'dr_grpo'\]"),
+    (dict(loss_type="token"), r"PPOConfig.loss_type='token'; expected one of \['grpo', 'bnpo', 'dapo', 'dr_grpo', "
+                              r"'cispo', 'sapo', 'luspo', 'vespo'\]"),
     (dict(kl_in_loss=True), "kl_in_loss is for the critic-free estimators"),
     (dict(advantage_estimator="reinforce_pp_baseline", num_generations=2, gamma=0.9), "needs gamma = 1"),
     (dict(advantage_estimator="rloo", num_generations=2, value_learning_rate=1e-3), "no value function"),

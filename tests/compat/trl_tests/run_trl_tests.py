@@ -1,4 +1,5 @@
-"""Run TRL's own SFT, reward, DPO, KTO and distillation test modules against trl and against hf_rlhf (issues 20, 43).
+"""Run TRL's own SFT, reward, DPO, KTO, GRPO and distillation test modules against trl and against hf_rlhf (issues
+20, 42, 43).
 
     git -C <trl mirror> archive HEAD tests scripts | tar -x -C /tmp/trl-src
     PYTHONPATH=. python tests/compat/trl_tests/run_trl_tests.py --trl-tests /tmp/trl-src
@@ -26,8 +27,9 @@ from pathlib import Path
 
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]  # this checkout: the hf_rlhf copies import it, whatever PYTHONPATH the runner was given
 MODULES = ["test_sft_trainer.py", "test_reward_trainer.py", "test_dpo_trainer.py", "test_kto_trainer.py",
-           "experimental/test_distillation_trainer.py"]
+           "test_grpo_trainer.py", "experimental/test_distillation_trainer.py"]
 # TRL tests that fail on hf_rlhf on purpose (docs/trl_compatibility.md), each with its own test in
 # tests/integration/test_trl_preparation.py (KTO's: tests/integration/test_kto_trainer.py)
 DELIBERATE = {
@@ -41,6 +43,14 @@ DELIBERATE = {
     "test_kto_trainer.py::TestKTOTrainer::test_evaluate_precompute_ref_log_probs_after_training_raises":
         "as DPO's: evaluate(new rows) after training with precompute_ref_log_probs takes the kept reference's "
         "log-probs; TRL keeps no reference and refuses",
+    # TRL internals: these call private methods of TRL's GRPOTrainer (its rollout and forward helpers), which
+    # hf_rlhf's GRPOTrainer, built on PPO's loop, does not have
+    "test_grpo_trainer.py::TestGRPORolloutDispatch::test_generate_rollout_func_raises_when_required_keys_are_missing":
+        "calls TRL's private GRPOTrainer._generate; hf_rlhf's rollout_func_sample checks the same keys",
+    "test_grpo_trainer.py::TestGRPOTrainer::test_prepare_input_called_with_correct_data":
+        "reads the generation batch TRL's _prepare_inputs hands to training_step; hf_rlhf's are Experience rows",
+    "test_grpo_trainer.py::TestGRPOTrainer::test_entropy_bonus_flows_gradients":
+        "calls TRL's private _get_per_token_logps_and_entropies; the bonus's gradient is in compute_loss here",
 }
 HELPERS = ["__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py"]
 REWRITES = {
@@ -50,6 +60,7 @@ REWRITES = {
     "from trl import KTOConfig, KTOTrainer": "from hf_rlhf import KTOConfig, KTOTrainer",
     "from trl.experimental.distillation import DistillationConfig, DistillationTrainer":
         "from hf_rlhf import DistillationConfig, DistillationTrainer",
+    "from trl import GRPOConfig, GRPOTrainer": "from hf_rlhf import GRPOConfig, GRPOTrainer",
 }
 
 
@@ -74,8 +85,7 @@ def prepare(trl_tests, dest, target, modules):
 def run_pytest(pkg, module, junit, timeout, extra):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_HUB_CACHE=str(Path(os.environ["TRL_OFFLINE_CACHE"]) / "hub"), TRL_TEST_TIMEOUT=str(timeout),
-               # this checkout's hf_rlhf (a relative PYTHONPATH=. would not hold in the copies' directory)
-               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parents[2]), os.environ.get("PYTHONPATH", "")]),
+               PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
                CUDA_VISIBLE_DEVICES="", WANDB_DISABLED="true")
     cmd = [sys.executable, "-m", "pytest", str(pkg / module), "-p", "trl_offline_plugin", "-p", "no:cacheprovider",
            "-v", "-rN", "--tb=line", f"--junitxml={junit}", f"--rootdir={pkg.parent}", *extra]
