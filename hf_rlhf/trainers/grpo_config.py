@@ -46,7 +46,6 @@ IGNORED_AS_IN_TRL = {
     "ref_model_mixup_alpha", "ref_model_sync_steps",  # sync_ref_model only
     "num_completions_to_print", "log_multimodal", "log_completions_hub_repo",  # log_completions only
     "transformers_continuous_batching_config",  # use_transformers_continuous_batching only
-    "num_generations_eval",  # evaluation only: GRPOTrainer has no evaluation loop
 }
 # TRL option -> why it cannot apply; refused when set to anything but TRL's default
 REFUSED = {
@@ -170,7 +169,6 @@ class GRPOConfig(PPOConfig):
     log_multimodal: bool = True
     log_completions_hub_repo: str | None = None
     transformers_continuous_batching_config: dict | None = None
-    num_generations_eval: int | None = None
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL's spelling: True is "group", False "none"

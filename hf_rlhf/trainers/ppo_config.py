@@ -29,6 +29,7 @@ from ..rl.critic_free import LOSS_TYPES, SCALE_REWARDS
 from ..rl.kl import KL_ESTIMATORS
 from .base_config import DeviceDefaultsMixin, NonFiniteOptions
 from .config_checks import check_field_types, renamed_options
+from .eval_options import OnlineEvalOptions
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 CRITIC_FREE = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -40,7 +41,7 @@ PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
 
 @renamed_options("init_kl_coef", "adap_kl_ctrl", "target", "horizon", "epsilon")
 @dataclass
-class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
+class PPOConfig(OnlineEvalOptions, InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, TrainingArguments):
     """PPO options (a `TrainingArguments`): every Trainer option works as usual.
 
     Batches (per device; see the module docstring):
@@ -342,6 +343,7 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, DeviceDefaultsMixin, Traini
             self.num_generations = TRL_NUM_GENERATIONS if self.advantage_estimator in GROUP_ESTIMATORS else 1
         self._check_batches()
         self._check_options()
+        self._resolve_eval_options()
         if self.generation_backend == "lean":  # options it does not implement are refused now, not ignored
             check_lean_options(self.generation_kwargs)
 
