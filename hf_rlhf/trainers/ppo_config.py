@@ -165,7 +165,8 @@ class PPOConfig(OnlineEvalOptions, InputCheckOptions, NonFiniteOptions, DeviceDe
         epsilon_high: upper clip, ratio <= 1 + epsilon_high (DAPO's clip-higher, 0.28 there); the lower clip is
             `cliprange` (TRL's `epsilon`, which is not taken as a second name: one option per meaning;
             `epsilon=` is an error that names `cliprange`).
-        importance_sampling_level: `token` (PPO's ratio) or `sequence` (GSPO: exp of the response's mean log-ratio).
+        importance_sampling_level: `token` (PPO's ratio), `sequence` (GSPO: exp of the response's mean log-ratio)
+            or `sequence_sum` (TRL's RLOOTrainer: exp of the summed log-ratio).
             With `sequence`, `loss_type="grpo"` is GSPO's own reduction (TRL warns about the others; so does
             `PPOTrainer`).
         mask_truncated_completions: responses without the stop token count in the group baselines but not in the
