@@ -1,4 +1,4 @@
-"""Run TRL's own SFT, reward and DPO test modules against trl and against hf_rlhf (issue 20).
+"""Run TRL's own SFT, reward, DPO and RLOO test modules against trl and against hf_rlhf (issue 20).
 
     git -C <trl mirror> archive HEAD tests scripts | tar -x -C /tmp/trl-src
     PYTHONPATH=. python tests/compat/trl_tests/run_trl_tests.py --trl-tests /tmp/trl-src
@@ -25,7 +25,7 @@ from pathlib import Path
 
 
 HERE = Path(__file__).resolve().parent
-MODULES = ["test_sft_trainer.py", "test_reward_trainer.py", "test_dpo_trainer.py"]
+MODULES = ["test_sft_trainer.py", "test_reward_trainer.py", "test_dpo_trainer.py", "test_rloo_trainer.py"]
 # TRL tests that fail on hf_rlhf on purpose (docs/trl_compatibility.md), each with its own test in
 # tests/integration/test_trl_preparation.py
 DELIBERATE = {
@@ -42,6 +42,7 @@ REWRITES = {
     "from trl import SFTConfig, SFTTrainer": "from hf_rlhf import SFTConfig, SFTTrainer",
     "from trl import RewardConfig, RewardTrainer": "from hf_rlhf import RewardConfig, RewardTrainer",
     "from trl import DPOConfig, DPOTrainer": "from hf_rlhf import DPOConfig, DPOTrainer",
+    "from trl import RLOOConfig, RLOOTrainer": "from hf_rlhf import RLOOConfig, RLOOTrainer",
 }
 
 
