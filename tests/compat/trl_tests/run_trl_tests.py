@@ -43,6 +43,7 @@ REWRITES = {
     "from trl import RewardConfig, RewardTrainer": "from hf_rlhf import RewardConfig, RewardTrainer",
     "from trl import DPOConfig, DPOTrainer": "from hf_rlhf import DPOConfig, DPOTrainer",
     "from trl import RLOOConfig, RLOOTrainer": "from hf_rlhf import RLOOConfig, RLOOTrainer",
+    "from trl import GRPOConfig, GRPOTrainer": "from hf_rlhf import GRPOConfig, GRPOTrainer",  # --modules test_grpo_...
 }
 
 
