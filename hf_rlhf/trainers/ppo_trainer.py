@@ -171,8 +171,7 @@ class PPOTrainer(OnlineEvalMixin, BaseTrainer):
         if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":  # as TRL 1.16's GRPOTrainer
             logger.warning("importance_sampling_level='sequence' with loss_type=%r weights each sequence's ratio by "
                            "its length; GSPO's own objective is loss_type='grpo'", args.loss_type)
-        if train_dataset is None:
-            raise ValueError("PPOTrainer needs a train_dataset of prompts.")
+        self.require_train_dataset(train_dataset)  # TRL's message: "`train_dataset` is required"
         if ref_model is not None and ref_model is model:
             raise ValueError("model and ref_model are the same object: pass None (a frozen copy is made, or the "
                              "adapters are switched off for a PeftModel) or a separate copy.")

@@ -91,3 +91,8 @@ def test_trls_parameters_in_trls_order():
     theirs = list(inspect.signature(trl.RLOOTrainer.__init__).parameters)
     ours = list(inspect.signature(RLOOTrainer.__init__).parameters)
     assert ours[:len(theirs)] == theirs and ours[len(theirs):] == ["kwargs"]
+
+
+def test_train_dataset_is_required_as_in_trl(tmp_path):
+    with pytest.raises(ValueError, match="`train_dataset` is required"):  # TRL's message, before any model loads
+        RLOOTrainer("/no/such/model", digits, args=RLOOConfig(output_dir=str(tmp_path), report_to="none"))
