@@ -27,6 +27,8 @@ _LAZY = {
     "PPOTrainer": "hf_rlhf.trainers.ppo_trainer",
     "RewardConfig": "hf_rlhf.trainers.reward_config",
     "RewardTrainer": "hf_rlhf.trainers.reward_trainer",
+    "RLOOConfig": "hf_rlhf.trainers.rloo_config",
+    "RLOOTrainer": "hf_rlhf.trainers.rloo_trainer",
     "SFTConfig": "hf_rlhf.trainers.sft_config",
     "SFTTrainer": "hf_rlhf.trainers.sft_trainer",
 }
@@ -50,5 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .trainers.ppo_trainer import PPOTrainer
     from .trainers.reward_config import RewardConfig
     from .trainers.reward_trainer import RewardTrainer
+    from .trainers.rloo_config import RLOOConfig
+    from .trainers.rloo_trainer import RLOOTrainer
     from .trainers.sft_config import SFTConfig
     from .trainers.sft_trainer import SFTTrainer

@@ -3,12 +3,13 @@
     hf-rlhf chain                                   # the RLHF chain on the embedded toy task (SFT, reward, PPO)
     hf-rlhf sft --config recipes/configs/sft_toy_lora.yaml
     hf-rlhf ppo --num_processes 2 --accelerate_config ddp --config my_ppo.yaml
+    hf-rlhf grpo --model_name_or_path my/sft --dataset_name my/prompts --reward_funcs my_rewards.accuracy
     accelerate launch -m hf_rlhf.cli ppo --config my_ppo.yaml
     hf-rlhf env
     hf-rlhf plan sft --model_name_or_path qwen2.5-0.5b --max_length 2048   # the predicted peak memory
 
-A training subcommand (`sft`, `reward`, `ppo`, `dpo`, `kto`, `distill` once its recipe exists, `chain`) takes the
-options and `--config file.yaml` of its recipe and runs that recipe's `main()`: the same code as
+A training subcommand (`sft`, `reward`, `ppo`, `dpo`, `kto`, `grpo`, `rloo`, `distill`, `chain`) takes
+the options and `--config file.yaml` of its recipe and runs that recipe's `main()`: the same code as
 `python recipes/<name>.py`. It runs under `accelerate launch` as `trl <command>` does (`hf_rlhf.cli.launch`). A bad
 invocation prints one `[hf_rlhf] error: ...` line and exits 2; a bad input found by the recipe exits 1, as the recipe
 does.
@@ -35,6 +36,8 @@ COMMANDS = {
     "dpo": ("dpo", "direct preference optimisation (recipes/dpo.py)"),
     "kto": ("kto", "Kahneman-Tversky optimisation from unpaired good / bad labels (recipes/kto.py)"),
     "distill": ("distill", "on-policy distillation of a teacher into a student (recipes/distill.py)"),
+    "grpo": ("grpo", "GRPO with trl grpo's options: GRPOConfig, --reward_funcs, eval_dataset (recipes/grpo.py)"),
+    "rloo": ("rloo", "RLOO with trl rloo's options: RLOOConfig, --reward_funcs, eval_dataset (recipes/rloo.py)"),
     "merge": (None, "merge a LoRA adapter into its base model (hf_rlhf.models.merge)"),
     "plan": (None, "predict a run's peak memory, part by part, before the run (hf_rlhf.training.memory_plan)"),
     "env": (None, "print the versions of torch, transformers, trl, peft, accelerate, deepspeed, bitsandbytes and the "

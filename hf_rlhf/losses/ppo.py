@@ -51,7 +51,7 @@ def policy_loss(
     return _reduce(per_token, mask, normalizer), stats
 
 
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_sum")
 
 
 def importance_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str = "token") -> torch.Tensor:
@@ -61,21 +61,27 @@ def importance_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: s
     As `trl.GRPOTrainer._compute_loss` (TRL 1.16, trl/trainer/grpo_trainer.py:3083-3093): "token" keeps
     log(π/π_old) per token; "sequence" is the masked mean of it over each response, one weight per sequence
     (broadcast here to every token of the row, where TRL keeps shape (B, 1); the reductions then agree).
+    "sequence_sum" is the masked sum, the log-ratio of the whole response's probabilities, as
+    `trl.RLOOTrainer._compute_loss` (TRL 1.16, trl/trainer/rloo_trainer.py: `logps - old_logps` of the summed
+    per-token log-probs).
 
     Args:
         log_ratio: (B, T) logp - logp_old.
         mask: (B, T) 1 on response tokens.
-        level: "token" or "sequence".
+        level: "token", "sequence" or "sequence_sum".
 
     Returns:
         (B, T).
     """
     if level == "token":
         return log_ratio
-    if level != "sequence":
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}")
+    total = masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1)
+    if level == "sequence_sum":
+        return total.expand_as(log_ratio)
     tokens = mask.sum(dim=-1, keepdim=True).to(log_ratio.dtype).clamp(min=1.0)
-    return (masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1) / tokens).expand_as(log_ratio)
+    return (total / tokens).expand_as(log_ratio)
 
 
 def policy_loss_per_token(

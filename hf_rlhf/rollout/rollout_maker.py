@@ -298,8 +298,34 @@ class RolloutMaker:
         return self.accelerator.reduce(tensor, reduction="sum")
 
     # -- steps ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def complete(self, model, rows: list[dict], do_sample: bool = True) -> dict:
+        """Steps 1-3 of a rollout for an evaluation: completions of `rows`, sampled as the rollout samples them or
+        greedy, nothing else run (no reference, no scores) and no state of the run touched.
+
+        Args:
+            model: the unwrapped `PolicyAndValue`.
+            rows: B prompt rows with `prompt`, `input_ids` and any other columns.
+            do_sample: sample at the training temperature / top-k / top-p; False: greedy decoding.
+
+        Returns:
+            {"prompts": B prompts, "completions": B decoded completions, "columns": {name: B values} of the other
+            columns, "response_mask": (B, R), "stopped": (B,) bool}.
+        """
+        batch = self.collator(rows)
+        query_ids = batch.pop("input_ids").to(self.accelerator.device)
+        query_mask = batch.pop("attention_mask").to(self.accelerator.device)
+        batch.pop("position_ids")
+        prompts = batch.pop("prompt")
+        with self._generator(model.policy, do_sample=do_sample) as generate:
+            out = generate(query_ids, query_mask, self.args.response_length)
+        response_ids, response_mask, stopped = self._truncate(out.response_ids)
+        completions = self._decode(response_ids, response_mask, conversational=isinstance(prompts[0], list))
+        return {"prompts": prompts, "completions": completions, "columns": batch, "response_mask": response_mask,
+                "stopped": stopped}
+
     @contextmanager
-    def _generator(self, policy):
+    def _generator(self, policy, do_sample: bool = True):
         """Yields `generate(ids, mask, max_new_tokens, capture=False, hidden=False) -> GenerationOutput`: (B, N) sampled
         ids, N <= max_new_tokens, padded after early stops (`self.engine`), with `capture` their log-probs and with
         `hidden` the LM head's inputs taken off the decoding (None where the engine cannot), for as many calls (turns)
@@ -319,7 +345,7 @@ class RolloutMaker:
             def generate(query_ids, query_mask, max_new_tokens: int, capture: bool = False,
                          hidden: bool = False) -> GenerationOutput:
                 # stop token None: no early stop (a kwarg, unlike a config, overrides)
-                kwargs = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=args.temperature,
+                kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, pad_token_id=pad, eos_token_id=self.stop_token_id,
                               generation_kwargs=args.generation_kwargs, return_logprobs=capture, return_hidden=hidden)
                 chunks, order = [], self._row_chunks(query_mask)

@@ -80,7 +80,6 @@ class DistillationTrainer(PPOTrainer):
     tag_names = ("hf_rlhf", "trl", "distillation")
     default_output_dir = "distillation-output"
     counts_tokens = True  # TRL's num_tokens: prompt and completion tokens of every rollout so far
-    evaluates = True
 
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),

@@ -46,7 +46,6 @@ IGNORED_AS_IN_TRL = {
     "vllm_max_model_length", "vllm_tensor_parallel_size",  # without use_vllm
     "log_multimodal",  # images in the completions table: no image inputs here
     "transformers_continuous_batching_config",  # use_transformers_continuous_batching only
-    "num_generations_eval",  # evaluation only: GRPOTrainer has no evaluation loop
 }
 # TRL option -> why it cannot apply; refused when set to anything but TRL's default
 REFUSED = {
@@ -159,7 +158,6 @@ class GRPOConfig(PPOConfig):
     vllm_tensor_parallel_size: int = 1
     log_multimodal: bool = True
     transformers_continuous_batching_config: dict | None = None
-    num_generations_eval: int | None = None
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL's spelling: True is "group", False "none"

@@ -41,7 +41,7 @@ class GRPOTrainer(PPOTrainer):
             that defines `get_reward()`.
         args: a `GRPOConfig` (a trl `GRPOConfig` is converted, field for field).
         train_dataset: prompt rows (`prompt`: text or messages); other columns reach the reward functions.
-        eval_dataset: must be None: there is no evaluation loop (as `PPOTrainer`).
+        eval_dataset: prompt rows for `evaluate()` / `eval_strategy` (as `PPOTrainer`; TRL's metrics with `eval_`).
         processing_class: the policy's tokenizer (default: loaded from the model's path).
         reward_processing_classes: the reward models' tokenizers: one, or a list with one per reward function.
         callbacks, optimizers, peft_config: as for `transformers.Trainer` / TRL.
@@ -206,7 +206,16 @@ class GRPOTrainer(PPOTrainer):
 
     def _log_metric(self, name: str, value: float) -> None:
         """TRL's `log_metric` for reward functions: averaged over the logging window (and ranks)."""
-        self.metrics["train"].add(name, float(value))
+        self.metrics["eval" if self._evaluating else "train"].add(name, float(value))
+
+    def score_completions(self, prompts: list, completions: list, **columns):
+        """Each reward function's scores of evaluated completions, for TRL's `eval_rewards/{name}/*`."""
+        kept, self._reward_parts = self._reward_parts, []
+        try:
+            self.compute_rewards(prompts, completions, **columns)
+            return list(self._reward_names), torch.cat(self._reward_parts), self._reward_weights
+        finally:
+            self._reward_parts = kept
 
     # -- TRL's rollout metrics ------------------------------------------------------------------------
     def _make_experience(self, rows, indices, refill=None):

@@ -29,6 +29,7 @@ from ..rl.critic_free import LOSS_TYPES, SCALE_REWARDS
 from ..rl.kl import KL_ESTIMATORS
 from .base_config import DeviceDefaultsMixin, NonFiniteOptions
 from .config_checks import check_field_types, renamed_options
+from .eval_options import OnlineEvalOptions
 from .policy_loss_options import PolicyLossOptions
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -41,7 +42,8 @@ PROMPT_OVERLONG_POLICIES = ("error", "truncate", "drop")
 
 @renamed_options("init_kl_coef", "adap_kl_ctrl", "target", "horizon", "epsilon")
 @dataclass
-class PPOConfig(InputCheckOptions, NonFiniteOptions, PolicyLossOptions, DeviceDefaultsMixin, TrainingArguments):
+class PPOConfig(OnlineEvalOptions, InputCheckOptions, NonFiniteOptions, PolicyLossOptions, DeviceDefaultsMixin,
+                TrainingArguments):
     """PPO options (a `TrainingArguments`): every Trainer option works as usual.
 
     Batches (per device; see the module docstring):
@@ -165,7 +167,8 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, PolicyLossOptions, DeviceDe
         epsilon_high: upper clip, ratio <= 1 + epsilon_high (DAPO's clip-higher, 0.28 there); the lower clip is
             `cliprange` (TRL's `epsilon`, which is not taken as a second name: one option per meaning;
             `epsilon=` is an error that names `cliprange`).
-        importance_sampling_level: `token` (PPO's ratio) or `sequence` (GSPO: exp of the response's mean log-ratio).
+        importance_sampling_level: `token` (PPO's ratio), `sequence` (GSPO: exp of the response's mean log-ratio)
+            or `sequence_sum` (TRL's RLOOTrainer: exp of the summed log-ratio).
             With `sequence`, `loss_type="grpo"` is GSPO's own reduction (TRL warns about the others; so does
             `PPOTrainer`).
         mask_truncated_completions: responses without the stop token count in the group baselines but not in the
@@ -344,6 +347,7 @@ class PPOConfig(InputCheckOptions, NonFiniteOptions, PolicyLossOptions, DeviceDe
         self._check_batches()
         self._check_options()
         self._check_policy_loss_options()
+        self._resolve_eval_options()
         if self.generation_backend == "lean":  # options it does not implement are refused now, not ignored
             check_lean_options(self.generation_kwargs)
 

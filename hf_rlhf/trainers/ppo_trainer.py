@@ -65,6 +65,7 @@ from ..training.state_callbacks import (
 )
 from .base_trainer import BaseTrainer
 from .model_config import ModelConfig
+from .online_eval import OnlineEvalMixin, check_eval_setup
 from .policy_loss_terms import PolicyLossTerms, check_sampling_correction
 from .ppo_config import PPOConfig
 
@@ -96,7 +97,7 @@ def _whole_weights(model):
     return deepspeed.zero.GatheredParameters(parameters)
 
 
-class PPOTrainer(PolicyLossTerms, BaseTrainer):
+class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
     """PPO with a value function, a KL-penalised reward and an adaptive or fixed KL coefficient; or, with
     `PPOConfig.advantage_estimator`, the same loop with a critic-free estimator (GRPO, RLOO, REINFORCE++) and no value
     function built at all.
@@ -120,9 +121,14 @@ class PPOTrainer(PolicyLossTerms, BaseTrainer):
         ptx_dataset: language-modelling data (any SFT format) for `PPOConfig.ptx_coef`.
         callbacks: more `TrainerCallback`s.
         optimizers: (optimizer, scheduler), as for `Trainer`.
-        data_collator, eval_dataset: trl 1.12's names, taken so its scripts run: prompts are batched and
-            left-padded by the rollout itself, so only None or a `DataCollatorWithPadding` (unused) is accepted, and
-            there is no evaluation loop (eval_dataset must be None).
+        data_collator: trl 1.12's name, taken so its scripts run: prompts are batched and left-padded by the
+            rollout itself, so only None or a `DataCollatorWithPadding` (unused) is accepted.
+        eval_dataset: prompt rows (as `train_dataset`; a dataset or a dict of them, checked before any model
+            loads) for `evaluate()` and `eval_strategy`, as TRL's GRPOTrainer: `num_generations_eval` completions per
+            prompt, sampled (or greedy, `eval_do_sample=False`), logged as `eval_reward`, `eval_rewards/{name}/mean`,
+            `eval_completions/*`, `eval_pass@k`, ... (`hf_rlhf.rollout.evaluation`); the training RNG is untouched.
+        compute_metrics: `(prompts, completions, **columns) -> {name: float}` over every evaluated completion,
+            logged as `eval_{name}`.
         tools: Python functions the policy may call (TRL 1.16 GRPOTrainer's `tools`: type-hinted, Google-style
             docstring; sync or async), for every `advantage_estimator`. The prompts (conversational) are rendered
             with them; the rollout then alternates turns and tool calls (`hf_rlhf.rollout.multiturn`) up to
@@ -161,13 +167,12 @@ class PPOTrainer(PolicyLossTerms, BaseTrainer):
     tag_names = ("hf_rlhf", "trl", "ppo")
     default_output_dir = "ppo-output"
     loss_is_scaled_for_ga = True  # compute_loss divides by the minibatch's token count (see get_batch_samples)
-    evaluates = False  # no evaluation loop (a subclass with its own `evaluate` takes eval_dataset / eval_strategy)
 
     def __init__(self, model, reward_model, args: PPOConfig | None = None, train_dataset=None, processing_class=None,
                  value_model=None, ref_model=None, reward_processing_class=None, peft_config=None,
                  model_config: ModelConfig | None = None, ptx_dataset=None, callbacks=None, optimizers=(None, None),
                  data_collator=None, eval_dataset=None, tools=None, environment_factory=None, rollout_func=None,
-                 **kwargs):
+                 compute_metrics=None, **kwargs):
         self.check_extra_kwargs(kwargs)
         args = self.resolve_args(args)
         args.ignore_data_skip = True  # the loader fast-forwards itself; the Trainer's skip would regenerate rollouts
@@ -179,17 +184,13 @@ class PPOTrainer(PolicyLossTerms, BaseTrainer):
                            "contributions, which effectively weights each sequence by its completion length instead "
                            "of optimizing the per-sequence objective; GSPO's own objective is loss_type='grpo'",
                            args.loss_type)
-        if train_dataset is None:
-            raise ValueError("PPOTrainer needs a train_dataset of prompts.")
+        self.require_train_dataset(train_dataset)  # TRL's message: "`train_dataset` is required"
         if ref_model is not None and ref_model is model:
             raise ValueError("model and ref_model are the same object: pass None (a frozen copy is made, or the "
                              "adapters are switched off for a PeftModel) or a separate copy.")
         if data_collator is not None and not isinstance(data_collator, DataCollatorWithPadding):
             raise ValueError("PPOTrainer batches and left-pads the prompts itself for generation; data_collator "
                              f"(a {type(data_collator).__name__}) would not be used. Leave it None.")
-        if not self.evaluates and (eval_dataset is not None or args.eval_strategy != "no"):
-            raise NotImplementedError("PPOTrainer has no evaluation loop: leave eval_strategy='no' and evaluate the "
-                                      "policy (trainer.model.policy) in a callback, e.g. with hf_rlhf.toy.exact_match.")
         # the prompt rows are checked before any model is loaded: a bad row fails in seconds, naming row and field
         train_dataset, conversational = validate_prompt_dataset(as_dataset(train_dataset))
         tools = list(tools or [])
@@ -199,6 +200,8 @@ class PPOTrainer(PolicyLossTerms, BaseTrainer):
                              "environment_factory (run the tools inside it and mark their tokens with env_mask)")
         if rollout_func is not None and not callable(rollout_func):
             raise ValueError(f"rollout_func must be a callable (prompts, trainer) -> dict, got {rollout_func!r}")
+        multi_turn = bool(tools) or environment_factory is not None or rollout_func is not None
+        self._eval_checked = check_eval_setup(args, eval_dataset, multi_turn)  # eval rows too, before any model
         self.environment_pool = None
         if environment_factory is not None:  # probes one environment: its tools are rendered into the prompts
             self.environment_pool = EnvironmentPool(environment_factory, tools)
@@ -234,7 +237,6 @@ class PPOTrainer(PolicyLossTerms, BaseTrainer):
         policy = self.add_peft(policy, model_config, args, peft_config, prompt_learning=False)
         module, ref_model = self._build_models(policy, value_model, ref_model, args)
         self.share_prompts = self._resolve_prefix_sharing(args, module, ref_model)
-        multi_turn = bool(tools) or environment_factory is not None or rollout_func is not None
         capture_decoding = self._resolve_logprobs_from_generation(args, module, multi_turn)
 
         reward_source = None if reward_model is None else build_reward_source(
@@ -254,9 +256,12 @@ class PPOTrainer(PolicyLossTerms, BaseTrainer):
             own.append(RewardStatsCallback())
         if args.use_adaptive_entropy:
             own.append(AdaptiveEntropyCallback(args.entropy_coef))
-        super().__init__(model=module, args=args, train_dataset=train_dataset, processing_class=processing_class,
-                         callbacks=own + list(callbacks or []), optimizers=optimizers,
-                         eval_dataset=eval_dataset if self.evaluates else None)
+        super().__init__(model=module, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, callbacks=own + list(callbacks or []),
+                         optimizers=optimizers)
+        # evaluation (`OnlineEvalMixin`): eval rows tokenized at their first use; `compute_metrics` on the completions
+        self.compute_metrics_fn, self._eval_prepared, self._eval_positions = compute_metrics, {}, positions
+        self._evaluating = False
 
         self.ref_model = self._prepare_frozen(ref_model)
         if isinstance(reward_source, ModelReward):

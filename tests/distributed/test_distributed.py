@@ -95,8 +95,8 @@ def launch_cmd(engine: str | None, *worker_args: str) -> list[str]:
 # what each launch trains: worker.py runs a launch's tasks in turn in one pair of processes (one process for the
 # single-process references, engine None), so a launch's start (~20 s of imports and set-up) is paid once per engine
 LAUNCHES = {
-    None: (*TASKS, "dpo_lora", "grpo_tools"),
-    "ddp": (*TASKS, "dpo_lora", "grpo_dynamic", "grpo_tools"),
+    None: (*TASKS, "dpo_lora", "grpo_tools", "rloo_trainer"),
+    "ddp": (*TASKS, "dpo_lora", "grpo_dynamic", "grpo_tools", "rloo_trainer"),
     "deepspeed_zero2": TASKS,
     "deepspeed_zero3": (*TASKS, "dpo_lora", "grpo_dynamic", "grpo_tools", "ppo@lean"),
 }
@@ -254,6 +254,18 @@ def test_kto_two_processes_match_one(tmp_path, engine):
     assert single["loss"][-1] != single["loss"][0]
     torch.testing.assert_close(reloaded_outputs("kto", tmp_path / engine / "kto" / "out"),
                                reloaded_outputs("kto", tmp_path / "single" / "kto" / "out"), atol=TOLERANCE, rtol=0)
+
+
+def test_rloo_trainer_two_processes_match_one(runs):
+    """hf_rlhf.RLOOTrainer (TRL's RLOO math: k1 in the reward, summed sequence ratio, batch-whitened advantages) on 2
+    DDP ranks gives the single process's losses and gradient norms."""
+    single, multi = runs.get(None, "rloo_trainer"), runs.get("ddp", "rloo_trainer")
+    assert multi["world_size"] == 2 and len(multi["loss"]) == len(single["loss"]) == STEPS
+    assert max(abs(a - b) for a, b in zip(multi["loss"], single["loss"])) <= TOLERANCE
+    norms = [[h["grad_norm"] for h in run["log_history"] if "grad_norm" in h] for run in (multi, single)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-3) and min(norms[1]) > 1e-3, norms
+    kl = [[h["kl"] for h in run["log_history"] if "kl" in h] for run in (multi, single)]
+    assert kl[0] == pytest.approx(kl[1], abs=TOLERANCE) and max(map(abs, kl[1])) > 0, kl
 
 
 @pytest.mark.parametrize("engine", [engine_param(e) for e in ("ddp", "deepspeed_zero3")])

@@ -34,7 +34,7 @@ import torch
 from hf_rlhf.cli.errors import close_process_group
 
 TASKS = ("sft", "sft_lora", "reward", "dpo", "dpo_lora", "kto", "ppo", "grpo", "rloo", "reinforce_pp", "grpo_dynamic",
-         "grpo_tools", "distill")
+         "grpo_tools", "distill", "rloo_trainer")
 # PPOTrainer's critic-free estimators, each with the options whose statistics cross ranks: GRPO's k3 in the loss with
 # the per-sequence loss_type, RLOO's batch-whitened advantages, REINFORCE++'s globally whitened returns
 ESTIMATORS = {
@@ -170,6 +170,23 @@ def grpo_tools_trainer(common: dict, model, per_device: int):
                        processing_class=tokenizer, tools=[add])
 
 
+def rloo_trainer(common: dict, model, tokenizer):
+    """hf_rlhf.RLOOTrainer (TRL's signature and math): k1 summed in the reward (β > 0: the reference on each rank),
+    the summed sequence ratio, advantages whitened over every rank's batch (`normalize_advantages`); greedy groups
+    made to differ as for the rloo task, and the rollout's own policy forward (see ESTIMATORS["rloo"])."""
+    from transformers import LogitsProcessorList
+
+    from hf_rlhf import RLOOConfig, RLOOTrainer
+    from hf_rlhf.toy import prompt_dataset
+
+    args = RLOOConfig(**common, learning_rate=3e-3, gradient_accumulation_steps=2, steps_per_generation=2,
+                      max_completion_length=6, beta=0.05, normalize_advantages=True, logprobs_from_generation=False,
+                      generation_kwargs={"do_sample": False,
+                                         "logits_processor": LogitsProcessorList([SecondChoiceOnOddRows()])})
+    return RLOOTrainer(model, reward_funcs=digit_reward, args=args, train_dataset=prompt_dataset(64, seed=0),
+                       processing_class=tokenizer)
+
+
 def common_args(out: str, steps: int, per_device: int) -> dict:
     return dict(output_dir=out, per_device_train_batch_size=per_device, max_steps=steps, logging_steps=1,
                 save_strategy="no", report_to="none", seed=0, disable_tqdm=True, warmup_steps=0, bf16=False,
@@ -253,6 +270,8 @@ def build_trainer(task: str, out: str, steps: int, per_device: int, policy_path:
                                    processing_class=tokenizer)
     if task == "grpo_tools":
         return grpo_tools_trainer(common, model, per_device)
+    if task == "rloo_trainer":
+        return rloo_trainer(common, model, tokenizer)
     options = ESTIMATORS.get(task, {})
     args = PPOConfig(**common, learning_rate=3e-3, gradient_accumulation_steps=2, rollout_batch_size=2 * per_device,
                      num_ppo_epochs=1, response_length=6, temperature=1.0, generation_kwargs={"do_sample": False},

@@ -40,6 +40,12 @@ TINY = {
             "--gradient_accumulation_steps", "1", "--rollout_batch_size", "8", "--num_ppo_epochs", "1",
             "--logging_steps", "1", "--max_steps", "1", "--sample_prompts", "0", "--plot", "false",
             "--disable_tqdm", "true", "--build_missing", "false"],
+    # TRL's names (recipes/grpo.py, rloo.py): one generation of 2 prompts x 2, evaluated and saved at its step
+    "grpo": ["--toy_train_size", "16", "--toy_test_size", "4", "--per_device_train_batch_size", "4",
+             "--gradient_accumulation_steps", "1", "--steps_per_generation", "1", "--num_generations", "2",
+             "--num_iterations", "1", "--max_steps", "1", "--logging_steps", "1", "--eval_steps", "1",
+             "--save_steps", "1", "--per_device_eval_batch_size", "2", "--disable_tqdm", "true",
+             "--build_missing", "false"],
     "dpo": ["--toy_train_size", "16", "--toy_test_size", "4", "--max_steps", "1", "--per_device_train_batch_size", "8",
             "--per_device_eval_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true",
             "--build_missing", "false"],
@@ -82,8 +88,7 @@ def documented_commands() -> list[tuple[str, str]]:
     import ast
 
     for rel in ("recipes/sft.py", "recipes/reward.py", "recipes/ppo.py", "recipes/dpo.py", "recipes/kto.py",
-                "recipes/distill.py",
-                "hf_rlhf/cli/main.py",
+                "recipes/distill.py", "recipes/grpo.py", "recipes/rloo.py", "hf_rlhf/cli/main.py",
                 "hf_rlhf/models/merge.py"):
         path = os.path.join(ROOT, rel)
         assert os.path.isfile(path), f"{rel} moved: name its new path here"  # a moved file must not go unread
@@ -198,7 +203,9 @@ def is_tools_toy(args: list[str]) -> bool:
 
 def few_steps(name: str, args: list[str], out: str, prebuilt: dict) -> list[str]:
     """The options appended to a toy command: a few steps, outputs under `out`, the prebuilt models."""
-    extra = [*TINY[name], "--output_dir", out]
+    extra = [*TINY["grpo" if name == "rloo" else name], "--output_dir", out]
+    if name in ("grpo", "rloo"):
+        extra += ["--sft_model_path", prebuilt["sft"]]
     if name == "reward":
         extra += ["--sft_model_path", prebuilt["sft"]]
     if name in ("dpo", "kto"):
@@ -242,7 +249,8 @@ def test_documented_command_runs(where, command, tmp_path, monkeypatch, prebuilt
 
     if kind == "cli":
         command_name = args[0] if args else None
-        if command_name in ("sft", "reward", "ppo", "dpo", "kto", "distill", "chain") and "--help" not in args:
+        training = ("sft", "reward", "ppo", "dpo", "kto", "distill", "grpo", "rloo", "chain")
+        if command_name in training and "--help" not in args:
             recipe_name = cli.COMMANDS[command_name][0]
             launched = []
             monkeypatch.setattr("accelerate.commands.launch.launch_command", lambda a: launched.append(a))
@@ -262,7 +270,7 @@ def test_documented_command_runs(where, command, tmp_path, monkeypatch, prebuilt
         _parse_only(monkeypatch, name, lambda: module.main(args))
         return
     results = module.main([*args, *few_steps(name, args, out, prebuilt)])
-    assert results["after"] and os.path.isfile(os.path.join(out, "results.json"))
+    assert results.get("after", results.get("train")) and os.path.isfile(os.path.join(out, "results.json"))
 
 
 def _parse_only(monkeypatch, recipe_name: str, run, launched=None) -> None:

@@ -12,12 +12,13 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "hf_rlhf")
 # layer of each module, by the longest matching prefix (the docs' table); "toy" may import anything, nothing imports it
 LAYERS = {
     "tensors": 1, "losses": 1, "rl": 1, "rollout.experience": 1, "rollout.shared_prompts": 1, "trainers.metrics": 1,
-    "trainers.grpo_metrics": 1, "collators": 1, "tools.masks": 1,
+    "trainers.grpo_metrics": 1, "trainers.eval_metrics": 1, "collators": 1, "tools.masks": 1,
     "trainers.base_config": 2, "trainers.model_config": 2, "trainers.config_checks": 2, "trainers.option_ranges": 2,
     "trainers.policy_loss_options": 2,
     "trainers.sft_config": 2, "trainers.reward_config": 2, "trainers.dpo_config": 2, "trainers.kto_config": 2,
     "trainers.ppo_config": 4,
-    "trainers.grpo_config": 4, "trainers.distillation_config": 4, "tools": 2, "imports": 2, "data": 2,
+    "trainers.eval_options": 2, "trainers.grpo_config": 4, "trainers.rloo_config": 4,
+    "trainers.distillation_config": 4, "tools": 2, "imports": 2, "data": 2,
     "models": 3, "generation": 3,
     "rewards": 4, "rollout": 4, "callbacks": 4, "training": 4,
     "trainers": 5, "": 5,

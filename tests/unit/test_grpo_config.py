@@ -15,7 +15,7 @@ from hf_rlhf.trainers.grpo_config import GENERATION_OPTIONS, IGNORED_AS_IN_TRL, 
 TRAINING_ARGS = {f.name for f in dataclasses.fields(TrainingArguments)}
 SAME_NAME = {"num_generations", "temperature", "top_p", "top_k", "epsilon_high", "loss_type", "scale_rewards",
              "importance_sampling_level", "mask_truncated_completions", "entropy_coef", "max_tool_calling_iterations",
-             "ds3_gather_for_generation", "generation_kwargs", "disable_dropout"}
+             "ds3_gather_for_generation", "generation_kwargs", "disable_dropout", "num_generations_eval"}
 READ_BY_TRAINER = {"reward_weights", "use_bias_correction_kl", "steps_per_generation", "generation_batch_size"}
 # TRL's documented non-default values of the refused options, each refused with its reason
 REFUSED_VALUES = {"use_vllm": True, "use_transformers_continuous_batching": True, "use_transformers_paged": True,

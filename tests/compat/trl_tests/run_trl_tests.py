@@ -1,5 +1,5 @@
-"""Run TRL's own SFT, reward, DPO, KTO, GRPO and distillation test modules against trl and against hf_rlhf (issues
-20, 42, 43).
+"""Run TRL's own SFT, reward, DPO, KTO, GRPO, RLOO and distillation test modules against trl and against hf_rlhf
+(issues 20, 42, 43).
 
     git -C <trl mirror> archive HEAD tests scripts | tar -x -C /tmp/trl-src
     PYTHONPATH=. python tests/compat/trl_tests/run_trl_tests.py --trl-tests /tmp/trl-src
@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]  # this checkout: the hf_rlhf copies import it, whatever PYTHONPATH the runner was given
 MODULES = ["test_sft_trainer.py", "test_reward_trainer.py", "test_dpo_trainer.py", "test_kto_trainer.py",
-           "test_grpo_trainer.py", "experimental/test_distillation_trainer.py"]
+           "test_grpo_trainer.py", "test_rloo_trainer.py", "experimental/test_distillation_trainer.py"]
 # TRL tests that fail on hf_rlhf on purpose (docs/trl_compatibility.md), each with its own test in
 # tests/integration/test_trl_preparation.py (KTO's: tests/integration/test_kto_trainer.py)
 DELIBERATE = {
@@ -61,6 +61,7 @@ REWRITES = {
     "from trl.experimental.distillation import DistillationConfig, DistillationTrainer":
         "from hf_rlhf import DistillationConfig, DistillationTrainer",
     "from trl import GRPOConfig, GRPOTrainer": "from hf_rlhf import GRPOConfig, GRPOTrainer",
+    "from trl import RLOOConfig, RLOOTrainer": "from hf_rlhf import RLOOConfig, RLOOTrainer",
 }
 
 
