@@ -36,7 +36,7 @@ LIBRARIES = (trl, hf_rlhf)
 # logged by hf_rlhf only: PPOTrainer's names for its rollout and loss statistics
 HF_RLHF_ONLY = {"loss/policy_avg", "objective/entropy", "objective/kl_coef", "objective/raw_scores",
                 "objective/rlhf_reward", "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg",
-                "policy/entropy_avg", "val/num_eos_tokens", "val/ratio"}
+                "policy/entropy_avg", "policy_loss", "val/num_eos_tokens", "val/ratio"}  # TRL: policy_loss with a bonus
 TOOL_RUNS = []  # (library name, a, b) of every call of the tool
 
 
