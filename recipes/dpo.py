@@ -26,11 +26,10 @@ from hf_rlhf import DPOConfig, DPOTrainer, ModelConfig
 from hf_rlhf.cli.arguments import parse_recipe_args
 from hf_rlhf.cli.data_loading import load_text_dataset
 from hf_rlhf.cli.errors import run_recipe
-from hf_rlhf.cli.evaluation import evaluate_completions
 from hf_rlhf.cli.printing import print_outputs
 from hf_rlhf.cli.results import exit_after_stop, write_results
 from hf_rlhf.cli.resume import resume_argument, train_run
-from hf_rlhf.toy.chain import ToyChainArguments, build_with_recipe, check_answers, is_model_dir, is_toy_run
+from hf_rlhf.toy.chain import ToyChainArguments, ensure_sft_policy, is_toy_run, preference_metrics
 
 RECIPES = os.path.dirname(os.path.abspath(__file__))
 TOY_CONFIG = os.path.join(RECIPES, "configs", "dpo_toy.yaml")
@@ -57,16 +56,7 @@ def toy_data(script_args, toy_args, model_config):
     if toy_args.toy_task != "arithmetic":
         raise RecipeOptionError(f"recipes/dpo.py: the toy task is arithmetic only (--toy_task {toy_args.toy_task} is "
                                 "the PPO recipe's)")
-    if model_config.model_name_or_path is None:
-        if not is_model_dir(toy_args.sft_model_path):
-            if not toy_args.build_missing:
-                raise FileNotFoundError(f"no SFT model at {toy_args.sft_model_path}; run recipes/sft.py first")
-            config = toy_args.sft_config or os.path.join(RECIPES, "configs", "sft_toy.yaml")
-            print(f"[hf_rlhf] SFT policy {toy_args.sft_model_path} is missing; building it with recipes/sft.py",
-                  flush=True)
-            build_with_recipe(os.path.join(RECIPES, "sft.py"), ["--config", config, "--output_dir",
-                                                                  toy_args.sft_model_path], toy_args.build_threads)
-        model_config.model_name_or_path = toy_args.sft_model_path
+    ensure_sft_policy(toy_args, model_config, RECIPES)
     pairs = {split: preference_dataset(size, seed=toy_args.toy_seed, split=split,
                                        rejected_slip_rate=script_args.toy_rejected_slip_rate)
              for split, size in (("train", toy_args.toy_train_size), ("test", min(toy_args.toy_test_size, 200)))}
@@ -92,23 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
                          model_config=model_config)
 
     def evaluate() -> dict:
-        out = {}
-        if prompts is not None:
-            import torch
-
-            from hf_rlhf.toy import reward_fn
-
-            def reward(p, c, **columns):  # the toy check as a reward tensor (1: right answer)
-                return torch.tensor(reward_fn(p, c, **columns), dtype=torch.float)
-
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            out.update({k: v for k, v in evaluate_completions(
-                model, trainer.processing_class, prompts, reward, script_args.max_new_tokens,
-                args.per_device_eval_batch_size, check_answers).items() if not isinstance(v, dict)})
-        if test is not None:
-            metrics = trainer.evaluate()
-            out.update({k: metrics[f"eval_{k}"] for k in ("loss", "rewards/accuracies", "rewards/margins")})
-        return out
+        return preference_metrics(trainer, prompts, test, script_args.max_new_tokens, args.per_device_eval_batch_size,
+                                  ("loss", "rewards/accuracies", "rewards/margins"))
 
     start = time.perf_counter()
     before = evaluate()

@@ -225,6 +225,44 @@ def build_with_recipe(script: str, argv: list[str], threads: int | None = None) 
                                    f"{sys.executable} {script} {' '.join(argv)}")
 
 
+def ensure_sft_policy(toy_args, model_config, recipes_dir: str) -> None:
+    """The preference recipes' policy (DPO, KTO): `model_config.model_name_or_path`, else the toy SFT policy at
+    `toy_args.sft_model_path`, built first with recipes/sft.py when missing (unless `build_missing` is off)."""
+    if model_config.model_name_or_path is not None:
+        return
+    if not is_model_dir(toy_args.sft_model_path):
+        if not toy_args.build_missing:
+            raise FileNotFoundError(f"no SFT model at {toy_args.sft_model_path}; run recipes/sft.py first")
+        config = toy_args.sft_config or os.path.join(recipes_dir, "configs", "sft_toy.yaml")
+        print(f"[hf_rlhf] SFT policy {toy_args.sft_model_path} is missing; building it with recipes/sft.py",
+              flush=True)
+        build_with_recipe(os.path.join(recipes_dir, "sft.py"), ["--config", config, "--output_dir",
+                                                                 toy_args.sft_model_path], toy_args.build_threads)
+    model_config.model_name_or_path = toy_args.sft_model_path
+
+
+def preference_metrics(trainer, prompts, test, max_new_tokens: int, batch_size: int, keys: tuple[str, ...]) -> dict:
+    """The preference recipes' before / after figures: greedy exact match on the toy's held-out `prompts` (when
+    given) and the held-out split's `eval_<key>` metrics (when `test` is given)."""
+    out = {}
+    if prompts is not None:
+        import torch
+
+        from ..cli.evaluation import evaluate_completions
+
+        def reward(p, c, **columns):  # the toy check as a reward tensor (1: right answer)
+            return torch.tensor(reward_fn(p, c, **columns), dtype=torch.float)
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        out.update({k: v for k, v in evaluate_completions(
+            model, trainer.processing_class, prompts, reward, max_new_tokens, batch_size, check_answers).items()
+            if not isinstance(v, dict)})
+    if test is not None:
+        metrics = trainer.evaluate()
+        out.update({k: metrics[f"eval_{k}"] for k in keys if f"eval_{k}" in metrics})
+    return out
+
+
 def prepare_toy_base(model_config, training_args, size: str, seed: int, reward: bool = False, tools: bool = False):
     """Build the toy tokenizer (`tools`: the one whose chat template renders tool calls) and a freshly initialised
     toy model.
