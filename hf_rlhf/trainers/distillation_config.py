@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .ppo_config import PPOConfig
+from .vllm_options import VLLMIgnoredOptions
 
 GENERATION_OPTIONS = {"min_p": None, "repetition_penalty": 1.0, "cache_implementation": None}
 # model_init_kwargs keys a model given by path is loaded with (ModelConfig's fields of the same meaning)
@@ -49,7 +50,7 @@ REFUSED = {
 
 
 @dataclass
-class DistillationConfig(PPOConfig):
+class DistillationConfig(VLLMIgnoredOptions, PPOConfig):
     """On-policy distillation options as trl 1.16's `DistillationConfig` names them (see the module docstring).
 
     The loss: the generalised JSD between the student's and the teacher's next-token distributions at
@@ -90,18 +91,7 @@ class DistillationConfig(PPOConfig):
     log_completions: bool = field(default=False, metadata={"help": REFUSED["log_completions"]})
     log_unique_prompts: bool = field(default=False, metadata={"help": REFUSED["log_unique_prompts"]})
     # TRL options accepted and unused, as TRL leaves them unused in the same run (IGNORED_AS_IN_TRL)
-    vllm_mode: str = "colocate"
-    vllm_model_impl: str = "vllm"
-    vllm_enable_sleep_mode: bool = False
-    vllm_structured_outputs_regex: str | None = None
-    vllm_server_base_url: str | None = None
-    vllm_server_host: str = "0.0.0.0"
-    vllm_server_port: int = 8000
-    vllm_server_timeout: float = 240.0
-    vllm_group_port: int = 51216
-    vllm_gpu_memory_utilization: float = 0.3
-    vllm_max_model_length: int | None = None
-    vllm_tensor_parallel_size: int = 1
+    # (the vLLM ones: VLLMIgnoredOptions)
     num_completions_to_print: int | None = None
 
     def __post_init__(self):

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .ppo_config import PPOConfig
+from .vllm_options import VLLMIgnoredOptions
 
 # TRL's name -> PPOConfig's name, for the options both have under different names
 TRL_NAMES = {"beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",
@@ -72,7 +73,7 @@ MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 @dataclass
-class GRPOConfig(PPOConfig):
+class GRPOConfig(VLLMIgnoredOptions, PPOConfig):
     """GRPO options as trl 1.16's `GRPOConfig` names them (see the module docstring), on top of `PPOConfig`.
 
     Batches, as in TRL: `per_device_train_batch_size` counts completions; a generation is `steps_per_generation`
@@ -144,18 +145,7 @@ class GRPOConfig(PPOConfig):
     use_transformers_paged: bool = field(default=False, metadata={"help": REFUSED["use_transformers_paged"]})
     log_completions_hub_repo: str | None = field(default=None, metadata={"help": REFUSED["log_completions_hub_repo"]})
     # TRL options accepted and unused, as TRL leaves them unused in the same run (IGNORED_AS_IN_TRL)
-    vllm_mode: str = "colocate"
-    vllm_model_impl: str = "vllm"
-    vllm_enable_sleep_mode: bool = False
-    vllm_structured_outputs_regex: str | None = None
-    vllm_server_base_url: str | None = None
-    vllm_server_host: str = "0.0.0.0"
-    vllm_server_port: int = 8000
-    vllm_server_timeout: float = 240.0
-    vllm_group_port: int = 51216
-    vllm_gpu_memory_utilization: float = 0.3
-    vllm_max_model_length: int | None = None
-    vllm_tensor_parallel_size: int = 1
+    # (the vLLM ones: VLLMIgnoredOptions)
     log_multimodal: bool = True
     transformers_continuous_batching_config: dict | None = None
 

@@ -17,7 +17,7 @@ LAYERS = {
     "trainers.policy_loss_options": 2,
     "trainers.sft_config": 2, "trainers.reward_config": 2, "trainers.dpo_config": 2, "trainers.kto_config": 2,
     "trainers.ppo_config": 4,
-    "trainers.eval_options": 2, "trainers.grpo_config": 4, "trainers.rloo_config": 4,
+    "trainers.eval_options": 2, "trainers.vllm_options": 2, "trainers.grpo_config": 4, "trainers.rloo_config": 4,
     "trainers.distillation_config": 4, "tools": 2, "imports": 2, "data": 2,
     "models": 3, "generation": 3,
     "rewards": 4, "rollout": 4, "callbacks": 4, "training": 4,
