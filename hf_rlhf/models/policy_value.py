@@ -8,7 +8,8 @@ The value function is either
   (c) a value adapter: a second LoRA adapter ("value") of the policy's `PeftModel` with a value head on its last
       hidden state: one frozen base for both (see `hf_rlhf.models.value_adapter`); two forwards, one per adapter; or
   (d) none at all (`with_value=False`) for the critic-free estimators (GRPO, RLOO, REINFORCE++): no head, no
-      hidden states kept for it, no `value/` directory saved.
+      hidden states kept for it, no `value/` directory saved; the module's parameter names are the policy's own
+      (no `policy.` prefix), as `trl.GRPOTrainer.model`'s.
 
 One `nn.Module` means one optimizer (the value parameters may get their own learning rate) and one thing for
 DDP / DeepSpeed / FSDP to wrap. A plain wrapper around a model with tied embeddings fails the Trainer's safetensors
@@ -72,7 +73,10 @@ class PolicyAndValue(nn.Module):
                              "value_model")
         if not with_value and (value_model is not None or value_adapter is not None):
             raise ValueError("with_value=False (a critic-free estimator) takes no value_model and no value_adapter")
-        self.policy = policy
+        if with_value:
+            self.policy = policy
+        else:  # not registered: the policy's own children are this module's (see `_share_policy_tree`)
+            object.__setattr__(self, "policy", policy)
         self.value_model = value_model
         self.value_adapter = value_adapter
         self.with_value = with_value
@@ -86,6 +90,26 @@ class PolicyAndValue(nn.Module):
         self.config = unwrap_peft(policy).config
         self.main_input_name = "response_ids"
         self.supports_gradient_checkpointing = getattr(unwrap_peft(policy), "supports_gradient_checkpointing", False)
+        if not with_value:
+            self._share_policy_tree()
+
+    def _share_policy_tree(self) -> None:
+        """(d): this module's parameters, buffers and children are the policy's own, under the policy's names.
+
+        With nothing besides the policy to train, `named_parameters()`, `state_dict()` and `get_parameter(name)`
+        read as the policy's (`model.embed_tokens.weight`, `base_model.model....lora_A.default.weight`), as
+        `trl.GRPOTrainer.model` does, and a TRL reference model's names match the trained model's
+        (`sync_ref_model`). The three registries are the policy's dicts themselves: one set of modules, never a
+        copy. Called last in `__init__`: after it, a module assigned to this one would join the policy's children.
+        """
+        for registry in ("_parameters", "_buffers", "_modules"):
+            self.__dict__[registry] = getattr(self.policy, registry)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if not self.with_value:  # the policy object itself is no child of this module in (d): its own flag too
+            self.policy.training = mode
+        return self
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep: int = 0,
                 return_hidden: bool = False) -> PolicyValueOutput:
@@ -346,7 +370,7 @@ def save_policy_and_value(module: PolicyAndValue, output_dir: str, state_dict: d
     from safetensors.torch import save_file
 
     value_dir = os.path.join(output_dir, VALUE_DIR)
-    policy_state = _split_state_dict(state_dict, "policy.")
+    policy_state = _split_state_dict(state_dict, "policy." if module.with_value else "")
     # a PeftModel saves every adapter by default; the policy is its active one (never the frozen reward adapter)
     only = {"selected_adapters": [module.policy.active_adapter]} if is_peft_model(module.policy) else {}
     module.policy.save_pretrained(output_dir, state_dict=policy_state, is_main_process=is_main_process, **only)
