@@ -36,6 +36,8 @@ prompts, one completion per prompt, the same KL (β = 0.05, k1, in the reward) a
     python bench/critic_free.py --configs hf_rlhf_grpo_generate,hf_rlhf_grpo_lean,trl_grpo --repeats 5
     python bench/critic_free.py --quick --repeats 1      # smoke run: 4 workers, ~2 min on 2 busy cores
     python bench/critic_free.py --configs hf_rlhf_grpo,hf_rlhf_grpo_unshared,trl_grpo --prompts long --repeats 3
+    python bench/critic_free.py --world longtail --configs hf_rlhf_grpo,trl_grpo --repeats 5
+    python bench/critic_free.py --world longtail --model llama25m --configs hf_rlhf_grpo,trl_grpo --repeats 3
 """
 
 from __future__ import annotations
@@ -79,7 +81,14 @@ PRESETS = {
     # completions per optimizer step = micro x grad_accum = prompts_per_step x num_generations
     "full": dict(model_size="small", micro=16, grad_accum=2, num_generations=8, response_length=16, steps=12),
     "quick": dict(model_size="tiny", micro=4, grad_accum=2, num_generations=4, response_length=8, steps=2),
+    # --world longtail: a world this bench's other presets never exercise (issue 42): prompts of 12-218 tokens with
+    # a long tail, 4 prompts x G = 4 completions per optimizer step (one generation per step), 32-token completions,
+    # GRPO's β = 0.05 with k3 in the loss
+    "longtail": dict(model_size="small", micro=16, grad_accum=1, num_generations=4, response_length=32, steps=12),
 }
+# --world longtail's prompt lengths in tokens: log-normal (median 40, σ 0.8), clipped to [12, 218]; most prompts
+# short, a few several times longer, as chat prompts with and without documents or few-shot examples
+LONGTAIL = dict(median=40, sigma=0.8, low=12, high=218)
 COMMON = dict(temperature=0.7, learning_rate=1e-5)
 # --prompts long: every prompt behind this instruction (89 tokens of the character-level toy tokenizer), as chat
 # templates and system prompts make real GRPO prompts several times longer than these 6-16 token toy prompts
@@ -221,15 +230,53 @@ def prepare(settings: dict, root: str) -> str:
     from hf_rlhf.toy import build_toy_model, build_toy_tokenizer, prompt_dataset
 
     tokenizer = build_toy_tokenizer()
-    model = build_toy_model(tokenizer, settings["model_size"], seed=0)
+    if settings["model_size"] == "llama25m":  # bench/generation.py's llama40m shape on the toy vocabulary
+        model = build_llama25m(tokenizer)
+    else:
+        model = build_toy_model(tokenizer, settings["model_size"], seed=0)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(root)
     tokenizer.save_pretrained(root)
     for group in {1, settings["num_generations"]}:  # the prompts of one step = its completions / G
         rows = prompt_dataset(settings["micro"] * settings["grad_accum"] // group * settings["steps"], seed=0)
         prefix = settings.get("prompt_prefix", "")
-        Path(root, f"prompts_g{group}.json").write_text(json.dumps([{"prompt": prefix + p} for p in rows["prompt"]]))
+        prompts = [prefix + p for p in rows["prompt"]]
+        if settings.get("prompt_lengths") == "longtail":
+            prompts = long_tailed_prompts(prompts, tokenizer, seed=group)
+        Path(root, f"prompts_g{group}.json").write_text(json.dumps([{"prompt": p} for p in prompts]))
     return root
+
+
+def build_llama25m(tokenizer):
+    """A 25M-parameter Llama (hidden 512, 8 layers, 8 heads, MLP 1,408: bench/generation.py's llama40m) on the toy
+    tokenizer's vocabulary, so that sampled ids decode; seeded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).float()
+
+
+def long_tailed_prompts(prompts: list[str], tokenizer, seed: int) -> list[str]:
+    """Each toy prompt behind filler text (LONG_PROMPT_PREFIX repeated) to a token length drawn from `LONGTAIL`."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths = np.exp(rng.normal(np.log(LONGTAIL["median"]), LONGTAIL["sigma"], len(prompts)))
+    lengths = np.clip(np.rint(lengths), LONGTAIL["low"], LONGTAIL["high"]).astype(int)
+    out = []
+    for prompt, length in zip(prompts, lengths):
+        filler, have = "", len(tokenizer(prompt).input_ids)
+        while have < length:  # grow by the tokens still missing (one character is one token or less)
+            filler = (LONG_PROMPT_PREFIX * 4)[: len(filler) + length - have]
+            have = len(tokenizer(filler + prompt).input_ids)
+        out.append(filler + prompt)
+    return out
 
 
 def check_same_work(runs: list[dict]) -> None:
@@ -289,13 +336,19 @@ def phase_table(runs: list[dict], configs: list[str]) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny preset (a smoke run)")
+    parser.add_argument("--world", choices=("toy", "longtail"), default="toy",
+                        help="longtail: long-tailed prompts of 12-218 tokens, 4 prompts x G = 4 a step, 32-token "
+                             "completions, GRPO's β 0.05 (k3 in the loss) unless --grpo_beta is given")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated, of {', '.join(CONFIGS)}; 'value' = the value group")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (default: the preset's)")
+    parser.add_argument("--model", choices=("toy", "llama25m"), default="toy",
+                        help="toy: the preset's toy Llama (0.9M parameters); llama25m: hidden 512, 8 layers")
     parser.add_argument("--prompts", choices=("short", "long"), default="short",
                         help="long: every prompt behind a fixed 89-token instruction (LONG_PROMPT_PREFIX)")
-    parser.add_argument("--grpo_beta", type=float, default=KL["grpo"],
+    parser.add_argument("--grpo_beta", type=float, default=None,
                         help="GRPO's β on both sides (0.04 in the loss by default; 0: TRL 1.16's default, "
                              "no reference)")
     parser.add_argument("--output", default="bench/results/critic_free.json")
@@ -310,8 +363,19 @@ def main(argv=None) -> dict:
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
-    settings = dict(PRESETS["quick" if cli.quick else "full"], betas=dict(KL, grpo=cli.grpo_beta),
-                    prompt_prefix=LONG_PROMPT_PREFIX if cli.prompts == "long" else "")
+    if cli.quick and cli.world != "toy":
+        parser.error("--quick is the toy world's smoke preset; leave out --world")
+    longtail = cli.world == "longtail"
+    if cli.grpo_beta is None:
+        cli.grpo_beta = 0.05 if longtail else KL["grpo"]
+    preset = "longtail" if longtail else "quick" if cli.quick else "full"
+    settings = dict(PRESETS[preset], betas=dict(KL, grpo=cli.grpo_beta),
+                    prompt_prefix=LONG_PROMPT_PREFIX if cli.prompts == "long" else "",
+                    prompt_lengths="longtail" if longtail else "fixed")
+    if cli.model != "toy":
+        settings["model_size"] = cli.model
+    if cli.steps is not None:
+        settings["steps"] = cli.steps
     runs = []
     with tempfile.TemporaryDirectory() as root:
         model_dir = prepare(settings, root)
@@ -330,8 +394,11 @@ def main(argv=None) -> dict:
     print()
     print(phase_table(runs, configs))
     chosen = "" if cli.configs == ",".join(DEFAULT_CONFIGS) else f" --configs {cli.configs}"
-    beta = "" if cli.grpo_beta == KL["grpo"] else f" --grpo_beta {cli.grpo_beta:g}"
-    quick = (" --quick" if cli.quick else "") + (" --prompts long" if cli.prompts == "long" else "")
+    beta = "" if cli.grpo_beta == (0.05 if longtail else KL["grpo"]) else f" --grpo_beta {cli.grpo_beta:g}"
+    quick = ((" --quick" if cli.quick else "") + (" --world longtail" if longtail else "")
+             + (" --prompts long" if cli.prompts == "long" else "")
+             + (f" --model {cli.model}" if cli.model != "toy" else "")
+             + (f" --steps {cli.steps}" if cli.steps is not None else ""))
     print(f"\nReproduce: `python bench/critic_free.py{quick}{chosen}{beta} --repeats {cli.repeats}`")
     return report
 

@@ -110,3 +110,42 @@ def test_steady_rate_counts_steps_after_the_first():
     # 30 episodes in 3 steps: steps 2 and 3 (20 episodes) from t=2 to t=5
     assert steady_rate(30, points) == pytest.approx(20 / 3)
     assert steady_rate(10, points[:2]) is None  # one step: no interval after it
+
+
+@pytest.mark.slow  # a benchmark's smoke run (worker subprocesses): not in the README's test command
+def test_critic_free_bench_long_tailed_world(tmp_path):
+    """`--world longtail` (issue 42's unseen world) as documented, cut to 2 steps: G = 4, 16 completions a step of 32
+    tokens, β 0.05, long-tailed prompts reach both trainers."""
+    output = tmp_path / "critic_free.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--world", "longtail", "--configs", "hf_rlhf_grpo,trl_grpo", "--repeats", "1",
+         "--steps", "2", "--output", str(output)],
+        capture_output=True, text=True, timeout=900, cwd=BENCH.parents[1],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(output.read_text())
+    settings = results["settings"]
+    assert (settings["num_generations"], settings["micro"] * settings["grad_accum"], settings["response_length"],
+            settings["betas"]["grpo"], settings["prompt_lengths"]) == (4, 16, 32, 0.05, "longtail")
+    for run in results["runs"]:
+        assert run["episodes"] == 2 * 16 and run["optimizer_steps"] == 2, run["config"]
+    assert "Reproduce: `python bench/critic_free.py --world longtail --configs hf_rlhf_grpo,trl_grpo --steps 2 " \
+           "--repeats 1`" in done.stdout
+
+
+def test_long_tailed_prompts_span_12_to_218_tokens(tmp_path):
+    """The long-tailed world's prompts: token lengths from 12 to 218, median near 40, a tail several times longer."""
+    import statistics
+
+    from transformers import AutoTokenizer
+
+    bench = load_bench()
+    settings = dict(bench.PRESETS["longtail"], steps=48, prompt_prefix="", prompt_lengths="longtail")
+    bench.prepare(settings, str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    rows = json.loads((tmp_path / "prompts_g4.json").read_text())
+    lengths = sorted(len(tokenizer(row["prompt"]).input_ids) for row in rows)
+    assert len(lengths) == 48 * 16 // 4
+    assert lengths[0] >= 12 and lengths[-1] <= 218 and lengths[-1] >= 150
+    assert 25 <= statistics.median(lengths) <= 60
+    assert lengths[-len(lengths) // 10] >= 2.5 * statistics.median(lengths)  # the top decile: 2.5x the median+

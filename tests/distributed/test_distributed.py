@@ -401,21 +401,23 @@ def test_reward_recipe_trains_under_zero2(tmp_path):
 
 
 @pytest.mark.slow
-def test_distillation_under_ddp_matches_one_process(tmp_path, runs):
-    """DistillationTrainer (greedy student rollouts, a frozen teacher, the JSD over the step's tokens): 2 DDP ranks x
-    4 rows give the single-process losses and gradient norms, and the saved student reloads to the same logits.
-    Launched on its own (not in `LAUNCHES`), so the other tasks' launches are not paid for it."""
+@pytest.mark.parametrize("engine", [engine_param(e) for e in ("ddp", "deepspeed_zero3")])
+def test_distillation_two_processes_match_one(tmp_path, runs, engine):
+    """DistillationTrainer (greedy student rollouts, a frozen teacher, the JSD over the step's tokens): 2 ranks x 4
+    rows, under DDP and under ZeRO-3 (student and teacher sharded, generation collective), give the single-process
+    losses and gradient norms, and the saved student reloads to the same logits. Launched on its own (not in
+    `LAUNCHES`), so the other tasks' launches are not paid for it."""
     results = {}
-    for engine in (None, "ddp"):
-        out = tmp_path / (engine or "single")
-        run(launch_cmd(engine, "--task", "distill", "--out", str(out), "--steps", str(STEPS), "--global_batch",
+    for launch in (None, engine):
+        out = tmp_path / (launch or "single")
+        run(launch_cmd(launch, "--task", "distill", "--out", str(out), "--steps", str(STEPS), "--global_batch",
                        str(GLOBAL_BATCH), "--policy_path", runs.policy_dir()), out, timeout=900)
-        results[engine] = json.loads((out / "distill" / "losses.json").read_text())
-    single, multi = results[None], results["ddp"]
+        results[launch] = json.loads((out / "distill" / "losses.json").read_text())
+    single, multi = results[None], results[engine]
     assert multi["world_size"] == 2 and len(single["loss"]) == len(multi["loss"]) == STEPS
     assert multi["loss"] == pytest.approx(single["loss"], abs=TOLERANCE) and single["loss"][-1] != single["loss"][0]
     norms = [[h["grad_norm"] for h in r["log_history"] if "grad_norm" in h] for r in (multi, single)]
     assert norms[0] == pytest.approx(norms[1], rel=1e-3) and min(norms[1]) > 0
-    torch.testing.assert_close(reloaded_outputs("distill", tmp_path / "ddp" / "distill" / "out"),
+    torch.testing.assert_close(reloaded_outputs("distill", tmp_path / engine / "distill" / "out"),
                                reloaded_outputs("distill", tmp_path / "single" / "distill" / "out"),
                                atol=TOLERANCE, rtol=2e-3)

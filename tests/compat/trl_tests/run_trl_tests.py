@@ -48,7 +48,11 @@ DELIBERATE = {
     "test_grpo_trainer.py::TestGRPORolloutDispatch::test_generate_rollout_func_raises_when_required_keys_are_missing":
         "calls TRL's private GRPOTrainer._generate; hf_rlhf's rollout_func_sample checks the same keys",
     "test_grpo_trainer.py::TestGRPOTrainer::test_prepare_input_called_with_correct_data":
-        "reads the generation batch TRL's _prepare_inputs hands to training_step; hf_rlhf's are Experience rows",
+        "steps_per_generation=4 with gradient_accumulation_steps=3 (a rollout straddling optimizer steps) is refused "
+        "by name; the test then reads the prompt dicts TRL hands to training_step, Experience rows here",
+    "test_rloo_trainer.py::TestRLOOTrainer::test_prepare_input_called_with_correct_data":
+        "as GRPO's: steps_per_generation=4 with gradient_accumulation_steps=3 is refused by name; the test then "
+        "reads the prompt dicts TRL hands to training_step, Experience rows here",
     "test_grpo_trainer.py::TestGRPOTrainer::test_entropy_bonus_flows_gradients":
         "calls TRL's private _get_per_token_logps_and_entropies; the bonus's gradient is in compute_loss here",
 }
