@@ -89,7 +89,7 @@ class GRPOTrainer(PPOTrainer):
         self.reward_funcs = funcs
         self.reward_processing_classes = list(tokenizers) if tokenizers is not None else [
             getattr(s, "tokenizer", None) for s in (reward.sources if reward is not None else [])]
-        self.rollout_maker.allow_unscored = args.advantage_estimator == "grpo"  # None rewards, as TRL
+        self.rollout_maker.allow_unscored = args.advantage_estimator in ("grpo", "rloo")  # None rewards, as TRL
         if args.cast_lm_head_to_fp32:
             for target in (policy, self.ref_model):
                 if target is not None:
