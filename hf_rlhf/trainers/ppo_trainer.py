@@ -38,7 +38,7 @@ from ..generation import build_engine
 from ..losses.grpo import policy_terms
 from ..losses.ppo import importance_log_weights, value_loss
 from ..models.adapters import unwrap_peft
-from ..models.lm_head import resolve_lm_head
+from ..models.lm_head import check_liger_lm_head, resolve_lm_head
 from ..models.loading import check_model_path, disable_dropout, hub_errors, load_model, resolve_model
 from ..models.packing_check import PackingCheckError, check_packing_exact
 from ..models.policy_value import PolicyAndValue, response_scores
@@ -235,6 +235,8 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
                 raise ValueError("tools need a stop token that ends the policy's turn: stop_token='eos' (with an eos "
                                  "token) or stop_token_id")
         policy = self.add_peft(policy, model_config, args, peft_config, prompt_learning=False)
+        if args.use_liger_kernel:
+            check_liger_lm_head(policy)
         module, ref_model = self._build_models(policy, value_model, ref_model, args)
         self.share_prompts = self._resolve_prefix_sharing(args, module, ref_model)
         capture_decoding = self._resolve_logprobs_from_generation(args, module, multi_turn)

@@ -171,3 +171,20 @@ def test_resume_is_exact_with_shuffle_off_and_adaptive_entropy(tmp_path, tokeniz
     for step in (3, 4):
         assert again[step]["loss"] == logs[step]["loss"] and again[step]["entropy_coef"] == logs[step]["entropy_coef"]
     assert logs[4]["entropy_coef"] == pytest.approx(0.04)
+
+
+def test_liger_kernel_refuses_a_lora_on_the_lm_head(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    def build(peft_config, **kw):
+        return GRPOTrainer(build_toy_model(tokenizer), digit_count, args=GRPOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+            report_to="none", **kw),
+            train_dataset=prompt_dataset(8, seed=0), processing_class=tokenizer, peft_config=peft_config)
+
+    on_head = LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ValueError, match="use_liger_kernel=True with a peft adapter on `lm_head`"):
+        build(on_head, use_liger_kernel=True)
+    build(on_head)  # without liger the chunked LM head runs the adapter: it trains
+    build(LoraConfig(r=4, target_modules=["q_proj"]), use_liger_kernel=True)
+    build(LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), use_liger_kernel=True)
