@@ -378,6 +378,8 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             reasons.append("a multi-turn rollout (tools, environment_factory or rollout_func) is scored by a forward")
         if args.filter_groups:
             reasons.append("filter_groups joins rows of several generation rounds")
+        if (args.generation_kwargs or {}).get("num_beams", 1) > 1:
+            reasons.append("beam search (num_beams > 1) reorders its beams at every decoding step")
         if is_deepspeed_zero3_enabled():
             reasons.append("under ZeRO-3 the value head's shards live outside generation")
         if module.value_model is not None or module.value_adapter is not None:

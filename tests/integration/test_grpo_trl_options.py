@@ -188,3 +188,16 @@ def test_liger_kernel_refuses_a_lora_on_the_lm_head(tmp_path, tokenizer):
     build(on_head)  # without liger the chunked LM head runs the adapter: it trains
     build(LoraConfig(r=4, target_modules=["q_proj"]), use_liger_kernel=True)
     build(LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), use_liger_kernel=True)
+
+
+def test_beam_search_generation_kwargs_train(tmp_path, tokenizer):
+    # TRL's test_train_with_generation_kwargs: sampled beam search; with prefix sharing on and two iterations (the
+    # old log-probs would come off the decoding) the rollout prefills inside generate and runs a policy forward
+    trainer = _trainer(tmp_path, tokenizer, prefix_sharing=True, num_iterations=2, max_steps=2,
+                       generation_kwargs={"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1})
+    assert trainer.rollout_maker.capture_decoding is False
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert _changed(trainer, before) > 0
+    with pytest.raises(ValueError, match="beam search"):
+        _trainer(tmp_path, tokenizer, vllm_importance_sampling_correction=True, generation_kwargs={"num_beams": 2})
