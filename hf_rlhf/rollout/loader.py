@@ -158,7 +158,8 @@ def prompt_length_limit(args, max_positions: int | None) -> int | None:
 
 
 def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None = None,
-                           conversational: bool | None = None, tools: list | None = None) -> Dataset:
+                           conversational: bool | None = None, tools: list | None = None,
+                           row_tools: Callable[[dict], list] | None = None) -> Dataset:
     """Validate and tokenize prompt rows: adds `input_ids` (the prompt's tokens); other columns are kept.
 
     Rows have a `prompt` (a string, or a list of messages) or a `messages` list (renamed to `prompt`). Plain
@@ -172,6 +173,8 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
             `validate_prompt_dataset` returned, with this kind of prompts (PPOTrainer checks the rows before it loads
             any model, so they are not checked twice).
         tools: callables rendered into conversational prompts by the chat template (`tools=`), as TRL does.
+        row_tools: `row -> tools` instead of `tools`, per row (TRL's dict `environment_factory`: each row rendered
+            with its own environment's tools).
 
     Raises:
         DataValidationError: naming the row and field (a missing or empty prompt, a prompt that is too long).
@@ -187,10 +190,11 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
 
         def tokenize(batch):  # a batch of rows: plain prompts in one call into the tokenizer's batch encoder
             if conversational:
-                ids = [tokenizer.apply_chat_template(list(prompt), tokenize=True, return_dict=True,
-                                                     add_generation_prompt=True, tools=tools or None,
-                                                     **template_kwargs)["input_ids"]
-                       for prompt in batch["prompt"]]
+                rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+                ids = [tokenizer.apply_chat_template(list(row["prompt"]), tokenize=True, return_dict=True,
+                                                     add_generation_prompt=True, **template_kwargs,
+                                                     tools=(row_tools(row) if row_tools else tools) or None)
+                       ["input_ids"] for row in rows]
             else:
                 encoded = encode_plain_batch(tokenizer, list(batch["prompt"]))
                 ids = [prefix + row_ids for row_ids in encoded]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 
 import torch
@@ -44,7 +45,7 @@ from ..models.packing_check import PackingCheckError, check_packing_exact
 from ..models.policy_value import PolicyAndValue, response_scores
 from ..models.value_adapter import add_value_adapter, resolve_value_adapter
 from ..models.value_head import reward_config_of
-from ..rewards.base import FunctionReward
+from ..rewards.base import FunctionReward, run_coroutine
 from ..rewards.factory import build_reward_source, check_reward_model_path
 from ..rewards.model import ModelReward
 from ..rl.critic_free import TOKEN_SUM_LOSS_TYPES, aggregate_loss
@@ -55,7 +56,7 @@ from ..rollout.multiturn import ToolRollout
 from ..rollout.rollout_maker import KL_METRICS, RolloutMaker, stop_token_id_of
 from ..tensors import masked_sum
 from ..tools import ToolRunner, check_tool_tokenizer, tool_dict
-from ..tools.environments import EnvironmentPool
+from ..tools.environments import PLACEHOLDER_PROMPT, EnvironmentPool, placeholder_prompts
 from ..training.state_callbacks import (
     AdaptiveEntropyCallback,
     EpochFromStepCallback,
@@ -85,6 +86,15 @@ def _reference_copy(policy):
         raise ValueError("the policy's weights are ZeRO-3 shards and it has no path to load a reference copy from: "
                          "pass ref_model (a path or a model)")
     return load_model(ModelConfig(model_name_or_path=path, dtype=str(policy.dtype).removeprefix("torch.")))
+
+
+def environment_scores(func, environments: list) -> torch.Tensor:
+    """(B,) float32 scores of an environment's reward function (`EnvironmentPool.reward_funcs`), NaN where it
+    returned None (a row of another environment); an `async` one is run here."""
+    values = func(environments=environments)
+    if inspect.iscoroutine(values):
+        values = run_coroutine(values)
+    return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
 
 
 def _whole_weights(model):
@@ -184,6 +194,9 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
                            "contributions, which effectively weights each sequence by its completion length instead "
                            "of optimizing the per-sequence objective; GSPO's own objective is loss_type='grpo'",
                            args.loss_type)
+        placeholder = False  # True: the prompts are empty user turns, each row's environment `reset()` writes it
+        if train_dataset is None and environment_factory is not None:  # the environment owns the data (as TRL)
+            train_dataset, placeholder = placeholder_prompts(args, environment_factory), True
         self.require_train_dataset(train_dataset)  # TRL's message: "`train_dataset` is required"
         if ref_model is not None and ref_model is model:
             raise ValueError("model and ref_model are the same object: pass None (a frozen copy is made, or the "
@@ -192,7 +205,13 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             raise ValueError("PPOTrainer batches and left-pads the prompts itself for generation; data_collator "
                              f"(a {type(data_collator).__name__}) would not be used. Leave it None.")
         # the prompt rows are checked before any model is loaded: a bad row fails in seconds, naming row and field
-        train_dataset, conversational = validate_prompt_dataset(as_dataset(train_dataset))
+        train_dataset = as_dataset(train_dataset)
+        if environment_factory is not None and not {"prompt", "messages"} & set(train_dataset.column_names):
+            # rows routed to environments only (TRL): each row's `reset()` writes its prompt into an empty user turn
+            placeholder = True
+            train_dataset = train_dataset.add_column("prompt", [PLACEHOLDER_PROMPT] * len(train_dataset))
+        # (empty user turns for the environment to fill are not checked as prompts)
+        train_dataset, conversational = (train_dataset, True) if placeholder else validate_prompt_dataset(train_dataset)
         tools = list(tools or [])
         tool_dict(tools)  # named callables, checked before any model is loaded
         if rollout_func is not None and (tools or environment_factory is not None):
@@ -203,12 +222,14 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
         multi_turn = bool(tools) or environment_factory is not None or rollout_func is not None
         self._eval_checked = check_eval_setup(args, eval_dataset, multi_turn)  # eval rows too, before any model
         self.environment_pool = None
-        if environment_factory is not None:  # probes one environment: its tools are rendered into the prompts
-            self.environment_pool = EnvironmentPool(environment_factory, tools)
+        if environment_factory is not None:  # probes each environment: its tools are rendered into the prompts
+            self.environment_pool = environment_factory if isinstance(environment_factory, EnvironmentPool) else \
+                EnvironmentPool(environment_factory, tools)
+            self.environment_pool.prompt_is_placeholder = placeholder or self.environment_pool.prompt_is_placeholder
             tools = self.environment_pool.template_tools
         if reward_model is None and not (self.environment_pool is not None and self.environment_pool.has_reward):
-            raise ValueError("reward_model is None: pass a reward function, model or endpoint, or an "
-                             "environment_factory whose environment defines get_reward()")
+            raise ValueError("No reward source provided: pass a reward function, model or endpoint (reward_model / "
+                             "reward_funcs), or an environment_factory whose environment defines get_reward()")
         if tools or environment_factory is not None:
             if not conversational:
                 raise ValueError("tools need conversational prompts (a `prompt` or `messages` list of messages): the "
@@ -250,8 +271,10 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
                              "config (train it with RewardConfig(store_reward_stats=True)); a reward function has "
                              "none: use 'running' or 'none'.")
         positions = getattr(getattr(module.policy, "config", None), "max_position_embeddings", None)
+        pool = self.environment_pool
         train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args, max_positions=positions,
-                                               conversational=conversational, tools=tools)
+                                               conversational=conversational, tools=tools,
+                                               row_tools=pool.tools_for if pool is not None and pool.multi else None)
         self.ptx_dataset = self._prepare_ptx(ptx_dataset, processing_class, args)
         own = [KLControllerCallback(args.kl_coef, args.kl_target, args.kl_horizon), EpochFromStepCallback()]
         if args.reward_normalization == "running":
@@ -446,15 +469,17 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             `reward_normalization`, the missing-stop penalty and the KL penalty.
         """
         environments = columns.pop("environments", None)
-        if self.reward_source is None:
-            scores = torch.zeros(len(completions))
-        else:
+        parts = []
+        if self.reward_source is not None:
             if environments is not None and isinstance(self.reward_source, FunctionReward):
                 columns["environments"] = environments  # as TRL passes them to reward functions
-            scores = torch.as_tensor(self.reward_source(prompts, completions, **columns), dtype=torch.float32)
+            parts.append(torch.as_tensor(self.reward_source(prompts, completions, **columns), dtype=torch.float32))
         if environments is not None and self.environment_pool.has_reward:  # TRL: weight 1, alongside the others
-            scores = scores + torch.tensor([float(env.get_reward()) for env in environments])
-        return scores
+            parts += [environment_scores(func, environments) for func in self.environment_pool.reward_funcs()]
+        if not parts:
+            return torch.zeros(len(completions))
+        parts = torch.stack(parts)  # NaN: that source did not score the row (another environment's)
+        return parts.nansum(0).masked_fill(torch.isnan(parts).all(0), float("nan"))
 
     def _row_tools(self, rows: list[dict]) -> tuple[list[dict], list[dict], dict]:
         """(rows, {name: callable} per row, extra reward fields) for one generation round of a rollout with tools."""
@@ -467,7 +492,8 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             if observation is not None:  # TRL: the observation ends the last user message
                 prompt = list(row["prompt"])
                 prompt[-1] = {**prompt[-1], "content": prompt[-1]["content"] + str(observation)}
-                ids = self.processing_class.apply_chat_template(prompt, tools=self.tools or None, tokenize=True,
+                tools = self.environment_pool.tools_for(row) if self.environment_pool.multi else self.tools
+                ids = self.processing_class.apply_chat_template(prompt, tools=tools or None, tokenize=True,
                                                                 add_generation_prompt=True, return_dict=True)
                 row = {**row, "prompt": prompt, "input_ids": list(ids["input_ids"])}
             out.append(row)
@@ -481,6 +507,7 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
         wrapped = self.model_wrapped
         model = wrapped if wrapped is self.model else self.accelerator.unwrap_model(wrapped)
         if self.environment_pool is not None:
+            self.environment_pool.check_rows(rows, indices)  # a dict's unknown environment names the dataset row
             self.environment_pool.new_rollout()
         experience, stats = self.rollout_maker.make(model, rows, kl.value, stats_cb and stats_cb.moments, indices,
                                                     refill)
