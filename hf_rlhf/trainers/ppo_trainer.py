@@ -35,6 +35,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from ..collators import PaddingCollator
 from ..data import as_dataset, prepare_sft_dataset
 from ..data.options import DataOptions
+from ..data.streaming import check_streamed_rollouts
 from ..generation import build_engine
 from ..losses.grpo import policy_terms
 from ..losses.ppo import importance_log_weights, value_loss
@@ -194,6 +195,7 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
                            "contributions, which effectively weights each sequence by its completion length instead "
                            "of optimizing the per-sequence objective; GSPO's own objective is loss_type='grpo'",
                            args.loss_type)
+        check_streamed_rollouts(args, train_dataset, eval_dataset)  # TRL's dispatch_batches / workers for streams
         placeholder = False  # True: the prompts are empty user turns, each row's environment `reset()` writes it
         if train_dataset is None and environment_factory is not None:  # the environment owns the data (as TRL)
             train_dataset, placeholder = placeholder_prompts(args, environment_factory), True
@@ -449,7 +451,8 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             get_global_step=lambda: self.state.global_step, get_resume_dir=lambda: self._resume_from,
             device=self.accelerator.device, extra_batch=self._ptx_batch if self.ptx_dataset is not None else None,
             num_generations=args.num_generations, refill=args.filter_groups,
-            group_by_length=args.micro_batches_by_length, shuffle=getattr(args, "shuffle_dataset", True))
+            group_by_length=args.micro_batches_by_length, shuffle=getattr(args, "shuffle_dataset", True),
+            num_workers=args.dataloader_num_workers)
         return self._loader
 
     def compute_rewards(self, prompts: list, completions: list, **columns) -> torch.Tensor:
