@@ -56,7 +56,7 @@ from ..rollout.loader import ExperienceLoader, prepare_prompt_dataset, seeded_ge
 from ..rollout.multiturn import ToolRollout
 from ..rollout.rollout_maker import KL_METRICS, RolloutMaker, stop_token_id_of
 from ..tensors import masked_sum
-from ..tools import ToolRunner, check_tool_tokenizer, tool_dict
+from ..tools import ToolRunner, check_tool_tokenizer, rollout_tokenizer, tool_dict
 from ..tools.environments import PLACEHOLDER_PROMPT, EnvironmentPool, placeholder_prompts
 from ..training.state_callbacks import (
     AdaptiveEntropyCallback,
@@ -237,7 +237,7 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
                 raise ValueError("tools need conversational prompts (a `prompt` or `messages` list of messages): the "
                                  "chat template renders the tools, the tool calls and their results")
             if processing_class is not None and not isinstance(processing_class, str):
-                check_tool_tokenizer(processing_class)
+                check_tool_tokenizer(rollout_tokenizer(processing_class))
         # every model given by path can be loaded (a local directory, the local hub cache, the Hub): a reward model
         # that cannot fails now, in one line, not after the policy and the reference are loaded
         check_reward_model_path(reward_model)
@@ -252,8 +252,11 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             processing_class.pad_token = processing_class.eos_token
         if processing_class.pad_token is None:
             raise ValueError("the policy tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
+        # the tokenizer prompts and turns are rendered with: with tools, TRL's prefix-preserving template if needed
+        multi_turn_tools = bool(tools) or self.environment_pool is not None
+        self._rollout_tokenizer = rollout_tokenizer(processing_class) if multi_turn_tools else processing_class
         if tools:
-            check_tool_tokenizer(processing_class)
+            check_tool_tokenizer(self._rollout_tokenizer)
             if stop_token_id_of(args, processing_class) is None:
                 raise ValueError("tools need a stop token that ends the policy's turn: stop_token='eos' (with an eos "
                                  "token) or stop_token_id")
@@ -274,7 +277,7 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
                              "none: use 'running' or 'none'.")
         positions = getattr(getattr(module.policy, "config", None), "max_position_embeddings", None)
         pool = self.environment_pool
-        train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args, max_positions=positions,
+        train_dataset = prepare_prompt_dataset(train_dataset, self._rollout_tokenizer, args, max_positions=positions,
                                                conversational=conversational, tools=tools,
                                                row_tools=pool.tools_for if pool is not None and pool.multi else None)
         self.ptx_dataset = self._prepare_ptx(ptx_dataset, processing_class, args)
@@ -299,8 +302,8 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
         tool_rollout = None
         if tools or self.environment_pool is not None:
             runner = ToolRunner(args.tool_max_workers, args.tool_call_timeout)
-            tool_rollout = ToolRollout(processing_class, stop_token_id_of(args, processing_class), args.response_length,
-                                       args.max_tool_calling_iterations, runner)
+            tool_rollout = ToolRollout(self._rollout_tokenizer, stop_token_id_of(args, processing_class),
+                                       args.response_length, args.max_tool_calling_iterations, runner)
         self.lm_heads = self._resolve_lm_heads(args, module, ref_model)
         self.rollout_maker = RolloutMaker(args, processing_class, self.compute_rewards, self.accelerator,
                                           self.ref_model, reward_stats, tool_rollout, self._row_tools,
@@ -496,7 +499,7 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
                 prompt = list(row["prompt"])
                 prompt[-1] = {**prompt[-1], "content": prompt[-1]["content"] + str(observation)}
                 tools = self.environment_pool.tools_for(row) if self.environment_pool.multi else self.tools
-                ids = self.processing_class.apply_chat_template(prompt, tools=tools or None, tokenize=True,
+                ids = self._rollout_tokenizer.apply_chat_template(prompt, tools=tools or None, tokenize=True,
                                                                 add_generation_prompt=True, return_dict=True)
                 row = {**row, "prompt": prompt, "input_ids": list(ids["input_ids"])}
             out.append(row)
