@@ -148,8 +148,10 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             reads. Reward functions receive the completion as its message list (assistant turns and tool messages).
         environment_factory: TRL 1.16's: a no-argument callable returning an environment with `reset(**row)`
             (returning None or a string appended to the row's last user message), public methods that are its tools,
-            and optionally `get_reward()`, a score added to `reward_model`'s (which may then be None). One instance
-            per rollout row, pooled and reset per rollout; reward functions receive them as `environments=`.
+            and optionally `get_reward()`, a score added to `reward_model`'s (which may then be None); or a dict
+            `{name: factory}` routing each row by its `environment` field. One instance per rollout row, pooled and
+            reset per rollout; reward functions receive them as `environments=`. With one factory, `train_dataset`
+            may be None: the environment's `reset()` writes each prompt (`max_steps` sets the length).
         rollout_func: TRL 1.16's `(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", "env_mask"?,
             ...}`: generates the rollout itself. It gets one prompt per rollout row (G copies of a prompt for the
             group estimators, where TRL hands over each prompt once) and returns one completion per row; `env_mask`
