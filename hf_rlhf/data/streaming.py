@@ -10,6 +10,7 @@ A stream has no length and cannot be read twice cheaply, so preparation is lazy,
 from __future__ import annotations
 
 import itertools
+import logging
 
 from datasets import IterableDataset
 
@@ -22,6 +23,8 @@ from .tokenization import (
     map_rows,
 )
 from .validation import DataValidationError, Verbatim, as_dataset, column_values
+
+logger = logging.getLogger("hf_rlhf")
 
 
 def is_streamed(dataset) -> bool:
@@ -84,6 +87,29 @@ def check_streamed_training(args, train_dataset) -> None:
         raise ValueError(f"train_dataset is a streamed IterableDataset, which has no length: set max_steps > 0 "
                          f"(got max_steps={args.max_steps}); num_train_epochs cannot be counted on a stream")
     args.accelerator_config.dispatch_batches = False
+
+
+def check_streamed_rollouts(args, train_dataset, eval_dataset) -> None:
+    """TRL 1.16 GRPO / RLOO's settings for streamed prompt sets: with a streamed train or eval set, accelerate must not
+    dispatch batches from the main process (`dispatch_batches=False`, set here; True is refused); a streamed train set
+    is read by this process alone (`dataloader_num_workers` set to 0, with a warning: workers would interleave its
+    rows and split the prompt groups). A streamed eval set leaves the workers of a map-style train set as they are.
+
+    Args:
+        args: the trainer's config (changed in place).
+        train_dataset, eval_dataset: as given to the trainer (eval: None, a dataset or a dict of them).
+    """
+    evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+    if not (is_streamed(train_dataset) or any(is_streamed(dataset) for dataset in evals)):
+        return
+    if args.accelerator_config.dispatch_batches:
+        raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                         "`accelerator_config`. Please set it to `False`.")
+    args.accelerator_config.dispatch_batches = False
+    if is_streamed(train_dataset) and args.dataloader_num_workers != 0:
+        logger.warning("Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding "
+                       "the provided value (%d).", args.dataloader_num_workers)
+        args.dataloader_num_workers = 0
 
 
 def tokenize_rows(dataset, row_fn, spec, options, field: str, desc: str, first_row: dict | None = None,

@@ -129,7 +129,7 @@ class GenerationEngine:
         new_shape = shape is not None and shape not in self.stats.shapes
         start = time.perf_counter()
         capture = None
-        if return_logprobs and self.supports_capture:
+        if return_logprobs and self.supports_capture and not beam_search(model, kwargs):
             capture = DecodeCapture(temperature if do_sample else 1.0, hidden=return_hidden)
         self._capture = capture
         try:
@@ -180,12 +180,27 @@ class GenerateEngine(GenerationEngine):
         self.share_prompts = share_prompts
 
     def _generate(self, model, query_ids, query_mask, kwargs):
-        cache = shared_prompt_cache(model, query_ids, query_mask) if self.share_prompts else None
+        # beam search runs num_beams rows per prompt inside generate: a prefilled cache of B rows cannot seed it
+        share = self.share_prompts and not beam_search(model, kwargs)
+        cache = shared_prompt_cache(model, query_ids, query_mask) if share else None
         if cache is not None:
             kwargs = dict(kwargs, past_key_values=cache)
         with self._recording(model):  # after the shared prefill: its forward predicts no new token
             out = model.generate(input_ids=query_ids, attention_mask=query_mask, **kwargs)
         return out[:, query_ids.shape[1]:]
+
+
+def beam_search(model, kwargs: dict) -> bool:
+    """Whether `generate` runs beam search (num_beams > 1, from `kwargs` or the model's `generation_config`).
+
+    Its decoding forwards then run num_beams rows per prompt and reorder them at each step, so neither a cache
+    prefilled with one row per prompt (`shared_prompt_cache`) nor log-probs taken off those forwards (`DecodeCapture`)
+    fit it: the rollout then prefills inside `generate` and computes the old log-probs with a forward (TRL's way).
+    """
+    beams = kwargs.get("num_beams")
+    if beams is None:
+        beams = getattr(getattr(unwrap_peft(model), "generation_config", None), "num_beams", 1)
+    return (beams or 1) > 1
 
 
 @torch.no_grad()

@@ -228,3 +228,28 @@ def resolve_lm_head(model: nn.Module, mode: bool | None, trainer: str) -> LMHead
             raise
         logger.warning("%s: computing the loss from the full logits: %s", trainer, err)
         return None
+
+
+def check_liger_lm_head(model: nn.Module) -> None:
+    """`use_liger_kernel=True` refuses a peft adapter on the LM head, as TRL 1.16's GRPO / RLOO trainers do (trl#4612):
+    Liger's fused linear cross-entropy reads `lm_head.weight` itself, so an adapter wrapping the head would not be
+    trained. (`modules_to_save=["lm_head"]` makes the head a trained copy, not an adapter layer: allowed.)
+
+    Args:
+        model: the policy, a causal LM or a `PeftModel` of one.
+
+    Raises:
+        ValueError: the output embeddings are a peft tuner layer (a LoRA on `lm_head`).
+    """
+    base = unwrap_peft(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None or base is model:
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if isinstance(head, BaseTunerLayer):
+        raise ValueError("use_liger_kernel=True with a peft adapter on `lm_head` "
+                         f"({type(head).__module__}.{type(head).__name__}): Liger's kernels read `lm_head.weight` "
+                         "directly, so the adapter would never be trained (as TRL refuses it). Remove 'lm_head' from "
+                         "the adapter's target_modules (modules_to_save=['lm_head'] trains the head in full), or set "
+                         "use_liger_kernel=False (hf_rlhf's chunked LM head trains an adapter on it).")

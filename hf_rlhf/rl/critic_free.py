@@ -150,7 +150,10 @@ def rloo_advantages(
     As `trl.RLOOTrainer._generate_and_score_completions` (TRL 1.16, trl/trainer/rloo_trainer.py):
     baseline = (Σ_group r - r_i) / (G - 1); then, with TRL's `normalize_advantages`, the advantages
     are whitened over the whole batch, (A - mean) / (std + eps), with the unbiased std. TRL puts its
-    KL penalty into the score first: r = score - β·Σ_t k1_t (sequence-level, from the rollout logprobs).
+    KL penalty into the score first: r = score - β·Σ_t k1_t (sequence-level, from the rollout logprobs). A NaN score
+    (a completion no reward function could score: TRL's `None`) is left out of its siblings' baselines and of the
+    normalisation, and its advantage is 0; a completion whose siblings are all unscored has no baseline, advantage 0
+    (TRL's `nansum` over the scorable siblings, divided by their count - 1, then `nan_to_num`).
 
     Args:
         scores: (N,) sequence scores, N = P·G, G consecutive samples per prompt.
@@ -163,12 +166,32 @@ def rloo_advantages(
         (N,) advantages in the dtype of `scores`.
     """
     grouped = _groups(scores, num_generations)
+    if torch.isnan(scores).any():
+        return _nan_rloo_advantages(grouped, normalize_advantages, eps, all_reduce_sum)
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)
     advantages = (grouped - baseline).view(-1)
     if normalize_advantages:
         mean, var = _mean_var(advantages, torch.ones_like(advantages, dtype=torch.bool), True, all_reduce_sum)
         advantages = (advantages - mean) / (var.sqrt() + eps)
     return advantages
+
+
+def _nan_rloo_advantages(grouped, normalize_advantages, eps, all_reduce_sum):
+    """`rloo_advantages` of (P, G) scores holding NaN: the baseline over the scorable siblings, advantage 0 where
+    there is no score or no baseline (as TRL)."""
+    scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    baseline = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scorable - 1)
+    advantages = (grouped - baseline).view(-1)  # NaN: unscored, or the group's only scored row (0 / 0)
+    if normalize_advantages:
+        valid = ~torch.isnan(advantages)
+        stats = torch.stack([valid.sum().to(advantages.dtype), torch.nansum(advantages)])
+        count, total = (stats if all_reduce_sum is None else all_reduce_sum(stats)).unbind()
+        mean = total / count
+        squares = torch.nansum((advantages - mean).square())
+        if all_reduce_sum is not None:
+            squares = all_reduce_sum(squares)
+        advantages = (advantages - mean) / ((squares / (count - 1)).sqrt() + eps)  # NaN with < 2 scored: then 0
+    return torch.nan_to_num(advantages, nan=0.0)
 
 
 def whiten_advantages(

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from ..trainers.eval_metrics import on_policy_loss, pass_at_k, pass_at_k_values
 from ..trainers.grpo_metrics import completion_metrics, reward_metrics
@@ -55,6 +56,22 @@ def eval_batches(num_rows: int, prompts_per_batch: int, process_index: int, num_
     return [batch or [-1] for batch in batches]
 
 
+def eval_loader(dataset, args, accelerator, num_workers: int = 0) -> DataLoader:
+    """This process's batches of prepared prompt rows (`eval_batches`; a placeholder batch reads row 0), each a list
+    of row dicts, read by `num_workers` worker processes (0: in this one); no global RNG is drawn from.
+
+    Args:
+        dataset: prepared prompt rows (`prepare_prompt_dataset`).
+        args: the trainer's config (`per_device_eval_batch_size`, `eval_generations`).
+        accelerator: the Trainer's accelerator (this process's rank and the number of processes).
+        num_workers: the `DataLoader`'s workers (`dataloader_num_workers`; 0 for a streamed eval set, as TRL).
+    """
+    per_batch = max(1, args.per_device_eval_batch_size // args.eval_generations)
+    batches = eval_batches(len(dataset), per_batch, accelerator.process_index, accelerator.num_processes)
+    return DataLoader(dataset, batch_sampler=[[max(i, 0) for i in batch] for batch in batches],
+                      num_workers=num_workers, collate_fn=list, generator=torch.Generator())
+
+
 class PromptEvaluator:
     """Completions of held-out prompts, scored, and the metrics of an evaluation.
 
@@ -71,8 +88,8 @@ class PromptEvaluator:
         self.args, self.rollout_maker, self.accelerator = args, rollout_maker, accelerator
         self.score, self.compute_metrics = score, compute_metrics
 
-    def run(self, model, dataset, seed: int) -> tuple[dict[str, float], int]:
-        """Evaluate `model` (the unwrapped `PolicyAndValue`) on `dataset` (prepared prompt rows).
+    def run(self, model, loader: DataLoader, seed: int) -> tuple[dict[str, float], int]:
+        """Evaluate `model` (the unwrapped `PolicyAndValue`) on the batches of `loader` (`eval_loader`).
 
         Returns:
             ({metric name: value} identical on every process, number of completions evaluated).
@@ -80,10 +97,11 @@ class PromptEvaluator:
         args, acc = self.args, self.accelerator
         n = args.eval_generations
         per_batch = max(1, args.per_device_eval_batch_size // n)
+        batches = eval_batches(len(loader.dataset), per_batch, acc.process_index, acc.num_processes)
         parts = []
         with isolated_rng(seed + acc.process_index, acc.device):
-            for indices in eval_batches(len(dataset), per_batch, acc.process_index, acc.num_processes):
-                rows = [dataset[max(i, 0)] for i in indices for _ in range(n)]
+            for indices, batch in zip(batches, loader):
+                rows = [row for row in batch for _ in range(n)]
                 parts.append(self._batch(model, rows, keep=indices != [-1]))
         parts = [part for part in parts if part is not None]
         gathered = _gather(parts, acc)

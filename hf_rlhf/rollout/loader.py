@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 from datasets import Dataset
+from torch.utils.data import DataLoader
 
 from ..data import (
     MISSING,
@@ -158,7 +159,8 @@ def prompt_length_limit(args, max_positions: int | None) -> int | None:
 
 
 def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None = None,
-                           conversational: bool | None = None, tools: list | None = None) -> Dataset:
+                           conversational: bool | None = None, tools: list | None = None,
+                           row_tools: Callable[[dict], list] | None = None) -> Dataset:
     """Validate and tokenize prompt rows: adds `input_ids` (the prompt's tokens); other columns are kept.
 
     Rows have a `prompt` (a string, or a list of messages) or a `messages` list (renamed to `prompt`). Plain
@@ -172,6 +174,8 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
             `validate_prompt_dataset` returned, with this kind of prompts (PPOTrainer checks the rows before it loads
             any model, so they are not checked twice).
         tools: callables rendered into conversational prompts by the chat template (`tools=`), as TRL does.
+        row_tools: `row -> tools` instead of `tools`, per row (TRL's dict `environment_factory`: each row rendered
+            with its own environment's tools).
 
     Raises:
         DataValidationError: naming the row and field (a missing or empty prompt, a prompt that is too long).
@@ -187,10 +191,11 @@ def prepare_prompt_dataset(dataset, tokenizer, args, max_positions: int | None =
 
         def tokenize(batch):  # a batch of rows: plain prompts in one call into the tokenizer's batch encoder
             if conversational:
-                ids = [tokenizer.apply_chat_template(list(prompt), tokenize=True, return_dict=True,
-                                                     add_generation_prompt=True, tools=tools or None,
-                                                     **template_kwargs)["input_ids"]
-                       for prompt in batch["prompt"]]
+                rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+                ids = [tokenizer.apply_chat_template(list(row["prompt"]), tokenize=True, return_dict=True,
+                                                     add_generation_prompt=True, **template_kwargs,
+                                                     tools=(row_tools(row) if row_tools else tools) or None)
+                       ["input_ids"] for row in rows]
             else:
                 encoded = encode_plain_batch(tokenizer, list(batch["prompt"]))
                 ids = [prefix + row_ids for row_ids in encoded]
@@ -257,6 +262,9 @@ class ExperienceLoader:
         group_by_length: re-cut each optimizer step's micro-batches by length (`group_steps_by_length`); the cut is
             part of the rollout's state, so a resumed run reads it from the checkpoint.
         shuffle: False takes the prompts in dataset order every epoch (TRL GRPOConfig's `shuffle_dataset=False`).
+        num_workers: worker processes that read the prompt rows of the coming rollouts ahead (a torch `DataLoader`
+            over the seeded order, `dataloader_num_workers`); 0 reads each rollout's rows when it starts. The rows,
+            their order and the global RNG are the same either way.
     """
 
     def __init__(self, dataset, make_experience: Callable, *, rollout_batch_size: int, micro_batch_size: int,
@@ -264,8 +272,8 @@ class ExperienceLoader:
                  gradient_accumulation_steps: int = 1, get_global_step: Callable[[], int] = lambda: 0,
                  get_resume_dir: Callable[[], str | None] = lambda: None, device=None,
                  extra_batch: Callable[[int], dict] | None = None, num_generations: int = 1,
-                 refill: bool = False, group_by_length: bool = False, shuffle: bool = True):
-        self.shuffle = shuffle
+                 refill: bool = False, group_by_length: bool = False, shuffle: bool = True, num_workers: int = 0):
+        self.shuffle, self.num_workers = shuffle, num_workers
         if num_generations < 1 or rollout_batch_size % num_generations:
             raise ValueError(f"rollout_batch_size={rollout_batch_size} is not a multiple of num_generations="
                              f"{num_generations}")
@@ -348,6 +356,8 @@ class ExperienceLoader:
         epoch, per_rollout = self.epoch, self.batches_per_rollout
         skip = max(self.get_global_step() * self.gradient_accumulation_steps - epoch * len(self), 0)
         first, offset = divmod(skip, per_rollout)
+        # the prompt rows of every rollout still to generate (a rollout cut by the checkpoint is read back whole)
+        prompts = self._prompt_rows(epoch, range(first + bool(offset), self.rollouts_per_epoch))
         for rollout in range(first, self.rollouts_per_epoch):
             if offset:
                 self._rollout = self._restore(epoch, rollout, offset)
@@ -355,16 +365,24 @@ class ExperienceLoader:
                 # the previous rollout is all handed out: free its experience before generating the next one, or
                 # both are alive through the whole generation (a second rollout's worth of memory at the peak)
                 self._rollout = None
-                self._rollout = self._make_rollout(epoch, rollout)  # no local of this frame keeps an experience
+                self._rollout = self._make_rollout(epoch, rollout, *next(prompts))  # no local keeps an experience
             for j in range(offset, per_rollout):
                 self._rollout["position"] = j + 1
                 yield self._micro_batch(j, epoch * len(self) + rollout * per_rollout + j)
             offset = 0
         self._rollout = None
 
-    def _make_rollout(self, epoch: int, rollout: int) -> dict:
-        indices = [i for i in self.rollout_indices(epoch, rollout) for _ in range(self.num_generations)]
-        rows = _rows(self._dataset, indices)
+    def _prompt_rows(self, epoch: int, rollouts: range):
+        """(rows, dataset indices) of each rollout in `rollouts`, each prompt `num_generations` times in a row; read
+        ahead by `num_workers` workers (seeded by their own generator: the global RNG is not drawn from)."""
+        batches = [[i for i in self.rollout_indices(epoch, r) for _ in range(self.num_generations)] for r in rollouts]
+        if not self.num_workers:
+            return ((_rows(self._dataset, indices), indices) for indices in batches)
+        reader = DataLoader(self._dataset, batch_sampler=batches, num_workers=self.num_workers, collate_fn=list,
+                            generator=seeded_generator(self.seed, epoch, 4))
+        return zip(reader, batches)
+
+    def _make_rollout(self, epoch: int, rollout: int, rows: list[dict], indices: list[int]) -> dict:
         extra = {"refill": self._refill(epoch, rollout)} if self.refill else {}
         experience, stats = self.make_experience(rows, indices, **extra)
         return {"epoch": epoch, "rollout": rollout, "position": 0, "experience": experience, "stats": stats,

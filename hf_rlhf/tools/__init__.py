@@ -7,6 +7,7 @@ data-layer helpers (tokenizer, Python callables). The turn loop that uses them l
 
 from .execution import ToolRunner, tool_dict
 from .masks import pack_turns
-from .parsing import check_tool_tokenizer, parse_turn, tool_suffix_ids
+from .parsing import check_tool_tokenizer, parse_turn, rollout_tokenizer, tool_suffix_ids
 
-__all__ = ["ToolRunner", "check_tool_tokenizer", "pack_turns", "parse_turn", "tool_dict", "tool_suffix_ids"]
+__all__ = ["ToolRunner", "check_tool_tokenizer", "pack_turns", "parse_turn", "rollout_tokenizer", "tool_dict",
+           "tool_suffix_ids"]

@@ -11,12 +11,39 @@ on (no re-tokenization of earlier turns).
 
 from __future__ import annotations
 
+import copy
+
 from trl.chat_template_utils import (
     add_response_schema,
+    get_training_chat_template,
     is_chat_template_prefix_preserving,
     parse_response,
     supports_tool_calling,
 )
+
+
+def rollout_tokenizer(tokenizer):
+    """The tokenizer a multi-turn rollout renders with: `tokenizer`, or, when its chat template is not prefix-preserving
+    (Qwen3's drops earlier thinking once a tool message follows), a shallow copy carrying TRL's prefix-preserving
+    training version of it, as TRL 1.16's GRPOTrainer swaps it in for tools; `tokenizer` itself keeps its own template
+    (the one saved with the model). A template TRL has no training version of is left to `check_tool_tokenizer`."""
+    if tokenizer.chat_template is None or not supports_tool_calling(tokenizer) or \
+            is_chat_template_prefix_preserving(tokenizer):
+        return tokenizer
+    try:
+        training = get_training_chat_template(tokenizer)
+    except ValueError:  # not one of the stock templates TRL ships a training version of
+        return tokenizer
+    if training is None:
+        return tokenizer
+    swapped = copy.copy(tokenizer)
+    if getattr(swapped, "response_template", None) is None and getattr(swapped, "response_schema", None) is None:
+        try:  # TRL's response template is known by the stock template: set it before the swap
+            add_response_schema(swapped)
+        except ValueError:
+            pass
+    swapped.chat_template = training
+    return swapped
 
 
 def check_tool_tokenizer(tokenizer) -> None:

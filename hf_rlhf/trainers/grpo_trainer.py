@@ -23,6 +23,7 @@ from ..models.adapters import unwrap_peft
 from ..models.loading import cast_lm_head_to_fp32, set_router_aux_loss
 from ..rewards.weighted import WeightedRewards
 from ..rl.critic_free import normalize_then_sum
+from ..tools.environments import EnvironmentPool
 from .grpo_completions import CompletionsLog, SyncPolicyRefCallback
 from .grpo_config import GRPOConfig
 from .grpo_metrics import clip_metrics, completion_metrics, reward_metrics
@@ -71,9 +72,16 @@ class GRPOTrainer(PPOTrainer):
         if tokenizers is not None and len(tokenizers) != len(funcs):
             raise ValueError(f"The number of reward processing classes ({len(tokenizers)}) must match the number of "
                              f"reward functions ({len(funcs)}).")
-        reward = WeightedRewards(funcs, args.reward_weights, tokenizers) if funcs else None
-        if reward is None and args.reward_weights is not None:
-            raise ValueError("reward_weights is set but there are no reward_funcs")
+        if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
+            raise ValueError(f"reward_weights has {len(args.reward_weights)} weights for {len(funcs)} reward "
+                             "functions; give one per reward function (as TRL; an environment's get_reward() has "
+                             "weight 1)")
+        # TRL: an environment class with get_reward() is one more reward function, after these, weight 1
+        pool = None if environment_factory is None else EnvironmentPool(environment_factory, tools)
+        env_funcs = [] if pool is None else pool.reward_funcs()
+        weights = None if args.reward_weights is None else list(args.reward_weights) + [1.0] * len(env_funcs)
+        reward = WeightedRewards(funcs + env_funcs, weights, None if tokenizers is None else list(tokenizers) + [
+            None] * len(env_funcs)) if funcs or env_funcs else None
         if args.cast_lm_head_to_fp32:  # the chunked head reads the head's weights itself: the full logits instead
             if args.chunked_lm_head:
                 raise ValueError("cast_lm_head_to_fp32=True computes the LM head's full float32 logits; "
@@ -83,13 +91,13 @@ class GRPOTrainer(PPOTrainer):
         self._step_started, self._micro_left, self._router_aux = None, 0, None
         super().__init__(model, reward, args=args, train_dataset=train_dataset, processing_class=processing_class,
                          peft_config=peft_config, callbacks=callbacks, optimizers=optimizers,
-                         eval_dataset=eval_dataset, tools=tools, environment_factory=environment_factory,
+                         eval_dataset=eval_dataset, tools=tools, environment_factory=pool,
                          rollout_func=rollout_func, **kwargs)
         policy = self.model.policy
-        self.reward_funcs = funcs
-        self.reward_processing_classes = list(tokenizers) if tokenizers is not None else [
+        self.reward_funcs = funcs + env_funcs
+        self.reward_processing_classes = list(tokenizers) + [None] * len(env_funcs) if tokenizers is not None else [
             getattr(s, "tokenizer", None) for s in (reward.sources if reward is not None else [])]
-        self.rollout_maker.allow_unscored = args.advantage_estimator == "grpo"  # None rewards, as TRL
+        self.rollout_maker.allow_unscored = args.advantage_estimator in ("grpo", "rloo")  # None rewards, as TRL
         if args.cast_lm_head_to_fp32:
             for target in (policy, self.ref_model):
                 if target is not None:
@@ -141,18 +149,17 @@ class GRPOTrainer(PPOTrainer):
 
     @property
     def reward_func_names(self) -> list[str]:
-        """TRL's: each reward function's name, then an environment's that defines `get_reward()`."""
-        names = list(self.reward_source.names) if isinstance(self.reward_source, WeightedRewards) else ["reward"] * (
-            self.reward_source is not None)
-        pool = self.environment_pool
-        return names + ([pool.name] if pool is not None and pool.has_reward else [])
+        """TRL's: each reward function's name, then each environment class's that defines `get_reward()`."""
+        if isinstance(self.reward_source, WeightedRewards):
+            return list(self.reward_source.names)
+        return ["reward"] * (self.reward_source is not None)
 
     @property
     def reward_weights(self) -> torch.Tensor:
         """TRL's: (K,) the weights of `reward_func_names` (an environment's reward: 1)."""
-        weights = self.reward_source.weights.tolist() if isinstance(self.reward_source, WeightedRewards) else [
-            1.0] * (self.reward_source is not None)
-        return torch.tensor(weights + [1.0] * (len(self.reward_func_names) - len(weights)))
+        if isinstance(self.reward_source, WeightedRewards):
+            return self.reward_source.weights.clone()
+        return torch.ones(len(self.reward_func_names))
 
     @property
     def _logs(self) -> dict:
@@ -178,23 +185,19 @@ class GRPOTrainer(PPOTrainer):
     def compute_rewards(self, prompts: list, completions: list, **columns) -> torch.Tensor:
         """The weighted sum of the reward functions (plus an environment's `get_reward()`, weight 1, as TRL)."""
         environments = columns.pop("environments", None)
-        rows, names, weights = [], [], []
         source = self.reward_source
-        if isinstance(source, WeightedRewards):
+        if isinstance(source, WeightedRewards):  # an environment's get_reward() is one of its functions (as TRL)
             extra = {"trainer_state": self.state, "log_metric": self._log_metric,
                      "log_extra": self.completions_log.add_extra}
             if environments is not None:
                 extra["environments"] = environments
             source(prompts, completions, function_kwargs=extra, **columns)
-            rows.append(source.last)
-            names, weights = list(source.names), source.weights.tolist()
+            per_func, names, weights = source.last, list(source.names), source.weights.tolist()
         elif source is not None:  # replaced after __init__ by a plain callable
-            rows.append(torch.as_tensor(source(prompts, completions, **columns), dtype=torch.float32)[None])
+            per_func = torch.as_tensor(source(prompts, completions, **columns), dtype=torch.float32)[None]
             names, weights = ["reward"], [1.0]
-        if environments is not None and self.environment_pool.has_reward:
-            rows.append(torch.tensor([[float(env.get_reward()) for env in environments]]))
-            names, weights = names + [type(environments[0]).__name__], weights + [1.0]
-        per_func = torch.cat(rows) if rows else torch.zeros(1, len(completions))
+        else:
+            per_func, names, weights = torch.zeros(1, len(completions)), [], []
         self._reward_parts.append(per_func)
         self._reward_names, self._reward_weights = names or ["reward"], torch.tensor(weights or [1.0])
         if hasattr(self, "completions_log"):  # (not yet during __init__'s checks)

@@ -14,8 +14,9 @@ import logging
 from transformers.trainer_utils import EvalLoopOutput
 
 from ..data import as_dataset
+from ..data.streaming import is_streamed
 from ..data.validation import DataValidationError
-from ..rollout.evaluation import PromptEvaluator
+from ..rollout.evaluation import PromptEvaluator, eval_loader
 from ..rollout.loader import prepare_prompt_dataset, validate_prompt_dataset
 
 logger = logging.getLogger("hf_rlhf")
@@ -98,13 +99,16 @@ class OnlineEvalMixin:
         return prepared[1]
 
     def get_eval_dataloader(self, eval_dataset=None):
-        """The prepared prompt rows of `eval_dataset` (a dataset, the name of one given at init, or None: the one
-        given at init); `evaluation_loop` batches them itself."""
+        """This process's batches of the prepared prompt rows of `eval_dataset` (a dataset, the name of one given at
+        init, or None: the one given at init), read by `dataloader_num_workers` workers; a streamed eval set by this
+        process alone (TRL: its rows would interleave), `args` unchanged."""
         if eval_dataset is None and self.eval_dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
-        return self._eval_rows(eval_dataset if eval_dataset is not None else self.eval_dataset)
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        workers = 0 if is_streamed(dataset) else self.args.dataloader_num_workers
+        return eval_loader(self._eval_rows(dataset), self.args, self.accelerator, workers)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval") -> EvalLoopOutput:

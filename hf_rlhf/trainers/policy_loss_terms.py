@@ -93,5 +93,8 @@ def check_sampling_correction(args, multi_turn: bool) -> None:
                        "log-probs for the environment's turns")
     if args.filter_groups:
         reasons.append("filter_groups joins rows of several generation rounds")
+    if (args.generation_kwargs or {}).get("num_beams", 1) > 1:
+        reasons.append("beam search (generation_kwargs num_beams > 1) keeps the best beams, not samples of the "
+                       "policy: there are no sampling log-probs to correct with")
     if reasons:
         raise ValueError(f"vllm_importance_sampling_correction=True cannot be honoured: {'; '.join(reasons)}")

@@ -424,6 +424,7 @@ class PPOConfig(OnlineEvalOptions, InputCheckOptions, NonFiniteOptions, PolicyLo
                              f"(its baseline comes from the prompt's other samples), got {self.num_generations}.")
 
     def _check_options(self):
+        returned = (self.generation_kwargs or {}).get("num_return_sequences", 1)
         checks = [
             (self.temperature > 0, f"temperature must be > 0, got {self.temperature}"),
             (self.top_k >= 0, f"top_k must be >= 0 (0 turns it off), got {self.top_k}"),
@@ -480,6 +481,8 @@ class PPOConfig(OnlineEvalOptions, InputCheckOptions, NonFiniteOptions, PolicyLo
              "learns the penalised return)"),
             (self.advantage_estimator != "reinforce_pp_baseline" or self.gamma == 1.0,
              f"reinforce_pp_baseline needs gamma = 1 (as OpenRLHF forces it), got {self.gamma}"),
+            (returned == 1, "generation_kwargs num_return_sequences must be 1: each rollout row is one completion "
+                            f"(set num_generations for several per prompt), got {returned}"),
             (not (self.critic_free and self.value_learning_rate is not None),
              f"value_learning_rate has no value function to act on with advantage_estimator="
              f"{self.advantage_estimator!r}"),

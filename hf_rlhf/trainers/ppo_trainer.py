@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 
 import torch
@@ -34,17 +35,18 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from ..collators import PaddingCollator
 from ..data import as_dataset, prepare_sft_dataset
 from ..data.options import DataOptions
+from ..data.streaming import check_streamed_rollouts
 from ..generation import build_engine
 from ..losses.grpo import policy_terms
 from ..losses.ppo import importance_log_weights, value_loss
 from ..models.adapters import unwrap_peft
-from ..models.lm_head import resolve_lm_head
+from ..models.lm_head import check_liger_lm_head, resolve_lm_head
 from ..models.loading import check_model_path, disable_dropout, hub_errors, load_model, resolve_model
 from ..models.packing_check import PackingCheckError, check_packing_exact
 from ..models.policy_value import PolicyAndValue, response_scores
 from ..models.value_adapter import add_value_adapter, resolve_value_adapter
 from ..models.value_head import reward_config_of
-from ..rewards.base import FunctionReward
+from ..rewards.base import FunctionReward, run_coroutine
 from ..rewards.factory import build_reward_source, check_reward_model_path
 from ..rewards.model import ModelReward
 from ..rl.critic_free import TOKEN_SUM_LOSS_TYPES, aggregate_loss
@@ -54,8 +56,8 @@ from ..rollout.loader import ExperienceLoader, prepare_prompt_dataset, seeded_ge
 from ..rollout.multiturn import ToolRollout
 from ..rollout.rollout_maker import KL_METRICS, RolloutMaker, stop_token_id_of
 from ..tensors import masked_sum
-from ..tools import ToolRunner, check_tool_tokenizer, tool_dict
-from ..tools.environments import EnvironmentPool
+from ..tools import ToolRunner, check_tool_tokenizer, rollout_tokenizer, tool_dict
+from ..tools.environments import PLACEHOLDER_PROMPT, EnvironmentPool, placeholder_prompts
 from ..training.state_callbacks import (
     AdaptiveEntropyCallback,
     EpochFromStepCallback,
@@ -85,6 +87,15 @@ def _reference_copy(policy):
         raise ValueError("the policy's weights are ZeRO-3 shards and it has no path to load a reference copy from: "
                          "pass ref_model (a path or a model)")
     return load_model(ModelConfig(model_name_or_path=path, dtype=str(policy.dtype).removeprefix("torch.")))
+
+
+def environment_scores(func, environments: list) -> torch.Tensor:
+    """(B,) float32 scores of an environment's reward function (`EnvironmentPool.reward_funcs`), NaN where it
+    returned None (a row of another environment); an `async` one is run here."""
+    values = func(environments=environments)
+    if inspect.iscoroutine(values):
+        values = run_coroutine(values)
+    return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
 
 
 def _whole_weights(model):
@@ -137,8 +148,10 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             reads. Reward functions receive the completion as its message list (assistant turns and tool messages).
         environment_factory: TRL 1.16's: a no-argument callable returning an environment with `reset(**row)`
             (returning None or a string appended to the row's last user message), public methods that are its tools,
-            and optionally `get_reward()`, a score added to `reward_model`'s (which may then be None). One instance
-            per rollout row, pooled and reset per rollout; reward functions receive them as `environments=`.
+            and optionally `get_reward()`, a score added to `reward_model`'s (which may then be None); or a dict
+            `{name: factory}` routing each row by its `environment` field. One instance per rollout row, pooled and
+            reset per rollout; reward functions receive them as `environments=`. With one factory, `train_dataset`
+            may be None: the environment's `reset()` writes each prompt (`max_steps` sets the length).
         rollout_func: TRL 1.16's `(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", "env_mask"?,
             ...}`: generates the rollout itself. It gets one prompt per rollout row (G copies of a prompt for the
             group estimators, where TRL hands over each prompt once) and returns one completion per row; `env_mask`
@@ -184,6 +197,10 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
                            "contributions, which effectively weights each sequence by its completion length instead "
                            "of optimizing the per-sequence objective; GSPO's own objective is loss_type='grpo'",
                            args.loss_type)
+        check_streamed_rollouts(args, train_dataset, eval_dataset)  # TRL's dispatch_batches / workers for streams
+        placeholder = False  # True: the prompts are empty user turns, each row's environment `reset()` writes it
+        if train_dataset is None and environment_factory is not None:  # the environment owns the data (as TRL)
+            train_dataset, placeholder = placeholder_prompts(args, environment_factory), True
         self.require_train_dataset(train_dataset)  # TRL's message: "`train_dataset` is required"
         if ref_model is not None and ref_model is model:
             raise ValueError("model and ref_model are the same object: pass None (a frozen copy is made, or the "
@@ -192,7 +209,13 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             raise ValueError("PPOTrainer batches and left-pads the prompts itself for generation; data_collator "
                              f"(a {type(data_collator).__name__}) would not be used. Leave it None.")
         # the prompt rows are checked before any model is loaded: a bad row fails in seconds, naming row and field
-        train_dataset, conversational = validate_prompt_dataset(as_dataset(train_dataset))
+        train_dataset = as_dataset(train_dataset)
+        if environment_factory is not None and not {"prompt", "messages"} & set(train_dataset.column_names):
+            # rows routed to environments only (TRL): each row's `reset()` writes its prompt into an empty user turn
+            placeholder = True
+            train_dataset = train_dataset.add_column("prompt", [PLACEHOLDER_PROMPT] * len(train_dataset))
+        # (empty user turns for the environment to fill are not checked as prompts)
+        train_dataset, conversational = (train_dataset, True) if placeholder else validate_prompt_dataset(train_dataset)
         tools = list(tools or [])
         tool_dict(tools)  # named callables, checked before any model is loaded
         if rollout_func is not None and (tools or environment_factory is not None):
@@ -203,18 +226,20 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
         multi_turn = bool(tools) or environment_factory is not None or rollout_func is not None
         self._eval_checked = check_eval_setup(args, eval_dataset, multi_turn)  # eval rows too, before any model
         self.environment_pool = None
-        if environment_factory is not None:  # probes one environment: its tools are rendered into the prompts
-            self.environment_pool = EnvironmentPool(environment_factory, tools)
+        if environment_factory is not None:  # probes each environment: its tools are rendered into the prompts
+            self.environment_pool = environment_factory if isinstance(environment_factory, EnvironmentPool) else \
+                EnvironmentPool(environment_factory, tools)
+            self.environment_pool.prompt_is_placeholder = placeholder or self.environment_pool.prompt_is_placeholder
             tools = self.environment_pool.template_tools
         if reward_model is None and not (self.environment_pool is not None and self.environment_pool.has_reward):
-            raise ValueError("reward_model is None: pass a reward function, model or endpoint, or an "
-                             "environment_factory whose environment defines get_reward()")
+            raise ValueError("No reward source provided: pass a reward function, model or endpoint (reward_model / "
+                             "reward_funcs), or an environment_factory whose environment defines get_reward()")
         if tools or environment_factory is not None:
             if not conversational:
                 raise ValueError("tools need conversational prompts (a `prompt` or `messages` list of messages): the "
                                  "chat template renders the tools, the tool calls and their results")
             if processing_class is not None and not isinstance(processing_class, str):
-                check_tool_tokenizer(processing_class)
+                check_tool_tokenizer(rollout_tokenizer(processing_class))
         # every model given by path can be loaded (a local directory, the local hub cache, the Hub): a reward model
         # that cannot fails now, in one line, not after the policy and the reference are loaded
         check_reward_model_path(reward_model)
@@ -229,12 +254,17 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             processing_class.pad_token = processing_class.eos_token
         if processing_class.pad_token is None:
             raise ValueError("the policy tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
+        # the tokenizer prompts and turns are rendered with: with tools, TRL's prefix-preserving template if needed
+        multi_turn_tools = bool(tools) or self.environment_pool is not None
+        self._rollout_tokenizer = rollout_tokenizer(processing_class) if multi_turn_tools else processing_class
         if tools:
-            check_tool_tokenizer(processing_class)
+            check_tool_tokenizer(self._rollout_tokenizer)
             if stop_token_id_of(args, processing_class) is None:
                 raise ValueError("tools need a stop token that ends the policy's turn: stop_token='eos' (with an eos "
                                  "token) or stop_token_id")
         policy = self.add_peft(policy, model_config, args, peft_config, prompt_learning=False)
+        if args.use_liger_kernel:
+            check_liger_lm_head(policy)
         module, ref_model = self._build_models(policy, value_model, ref_model, args)
         self.share_prompts = self._resolve_prefix_sharing(args, module, ref_model)
         capture_decoding = self._resolve_logprobs_from_generation(args, module, multi_turn)
@@ -248,8 +278,10 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
                              "config (train it with RewardConfig(store_reward_stats=True)); a reward function has "
                              "none: use 'running' or 'none'.")
         positions = getattr(getattr(module.policy, "config", None), "max_position_embeddings", None)
-        train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args, max_positions=positions,
-                                               conversational=conversational, tools=tools)
+        pool = self.environment_pool
+        train_dataset = prepare_prompt_dataset(train_dataset, self._rollout_tokenizer, args, max_positions=positions,
+                                               conversational=conversational, tools=tools,
+                                               row_tools=pool.tools_for if pool is not None and pool.multi else None)
         self.ptx_dataset = self._prepare_ptx(ptx_dataset, processing_class, args)
         own = [KLControllerCallback(args.kl_coef, args.kl_target, args.kl_horizon), EpochFromStepCallback()]
         if args.reward_normalization == "running":
@@ -272,8 +304,8 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
         tool_rollout = None
         if tools or self.environment_pool is not None:
             runner = ToolRunner(args.tool_max_workers, args.tool_call_timeout)
-            tool_rollout = ToolRollout(processing_class, stop_token_id_of(args, processing_class), args.response_length,
-                                       args.max_tool_calling_iterations, runner)
+            tool_rollout = ToolRollout(self._rollout_tokenizer, stop_token_id_of(args, processing_class),
+                                       args.response_length, args.max_tool_calling_iterations, runner)
         self.lm_heads = self._resolve_lm_heads(args, module, ref_model)
         self.rollout_maker = RolloutMaker(args, processing_class, self.compute_rewards, self.accelerator,
                                           self.ref_model, reward_stats, tool_rollout, self._row_tools,
@@ -376,6 +408,8 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             reasons.append("a multi-turn rollout (tools, environment_factory or rollout_func) is scored by a forward")
         if args.filter_groups:
             reasons.append("filter_groups joins rows of several generation rounds")
+        if (args.generation_kwargs or {}).get("num_beams", 1) > 1:
+            reasons.append("beam search (num_beams > 1) reorders its beams at every decoding step")
         if is_deepspeed_zero3_enabled():
             reasons.append("under ZeRO-3 the value head's shards live outside generation")
         if module.value_model is not None or module.value_adapter is not None:
@@ -422,7 +456,8 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             get_global_step=lambda: self.state.global_step, get_resume_dir=lambda: self._resume_from,
             device=self.accelerator.device, extra_batch=self._ptx_batch if self.ptx_dataset is not None else None,
             num_generations=args.num_generations, refill=args.filter_groups,
-            group_by_length=args.micro_batches_by_length, shuffle=getattr(args, "shuffle_dataset", True))
+            group_by_length=args.micro_batches_by_length, shuffle=getattr(args, "shuffle_dataset", True),
+            num_workers=args.dataloader_num_workers)
         return self._loader
 
     def compute_rewards(self, prompts: list, completions: list, **columns) -> torch.Tensor:
@@ -442,15 +477,17 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             `reward_normalization`, the missing-stop penalty and the KL penalty.
         """
         environments = columns.pop("environments", None)
-        if self.reward_source is None:
-            scores = torch.zeros(len(completions))
-        else:
+        parts = []
+        if self.reward_source is not None:
             if environments is not None and isinstance(self.reward_source, FunctionReward):
                 columns["environments"] = environments  # as TRL passes them to reward functions
-            scores = torch.as_tensor(self.reward_source(prompts, completions, **columns), dtype=torch.float32)
+            parts.append(torch.as_tensor(self.reward_source(prompts, completions, **columns), dtype=torch.float32))
         if environments is not None and self.environment_pool.has_reward:  # TRL: weight 1, alongside the others
-            scores = scores + torch.tensor([float(env.get_reward()) for env in environments])
-        return scores
+            parts += [environment_scores(func, environments) for func in self.environment_pool.reward_funcs()]
+        if not parts:
+            return torch.zeros(len(completions))
+        parts = torch.stack(parts)  # NaN: that source did not score the row (another environment's)
+        return parts.nansum(0).masked_fill(torch.isnan(parts).all(0), float("nan"))
 
     def _row_tools(self, rows: list[dict]) -> tuple[list[dict], list[dict], dict]:
         """(rows, {name: callable} per row, extra reward fields) for one generation round of a rollout with tools."""
@@ -463,7 +500,8 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
             if observation is not None:  # TRL: the observation ends the last user message
                 prompt = list(row["prompt"])
                 prompt[-1] = {**prompt[-1], "content": prompt[-1]["content"] + str(observation)}
-                ids = self.processing_class.apply_chat_template(prompt, tools=self.tools or None, tokenize=True,
+                tools = self.environment_pool.tools_for(row) if self.environment_pool.multi else self.tools
+                ids = self._rollout_tokenizer.apply_chat_template(prompt, tools=tools or None, tokenize=True,
                                                                 add_generation_prompt=True, return_dict=True)
                 row = {**row, "prompt": prompt, "input_ids": list(ids["input_ids"])}
             out.append(row)
@@ -477,6 +515,7 @@ class PPOTrainer(OnlineEvalMixin, PolicyLossTerms, BaseTrainer):
         wrapped = self.model_wrapped
         model = wrapped if wrapped is self.model else self.accelerator.unwrap_model(wrapped)
         if self.environment_pool is not None:
+            self.environment_pool.check_rows(rows, indices)  # a dict's unknown environment names the dataset row
             self.environment_pool.new_rollout()
         experience, stats = self.rollout_maker.make(model, rows, kl.value, stats_cb and stats_cb.moments, indices,
                                                     refill)

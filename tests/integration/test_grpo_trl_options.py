@@ -171,3 +171,76 @@ def test_resume_is_exact_with_shuffle_off_and_adaptive_entropy(tmp_path, tokeniz
     for step in (3, 4):
         assert again[step]["loss"] == logs[step]["loss"] and again[step]["entropy_coef"] == logs[step]["entropy_coef"]
     assert logs[4]["entropy_coef"] == pytest.approx(0.04)
+
+
+def test_liger_kernel_refuses_a_lora_on_the_lm_head(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    def build(peft_config, **kw):
+        return GRPOTrainer(build_toy_model(tokenizer), digit_count, args=GRPOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+            report_to="none", **kw),
+            train_dataset=prompt_dataset(8, seed=0), processing_class=tokenizer, peft_config=peft_config)
+
+    on_head = LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ValueError, match="use_liger_kernel=True with a peft adapter on `lm_head`"):
+        build(on_head, use_liger_kernel=True)
+    build(on_head)  # without liger the chunked LM head runs the adapter: it trains
+    build(LoraConfig(r=4, target_modules=["q_proj"]), use_liger_kernel=True)
+    build(LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), use_liger_kernel=True)
+
+
+def test_beam_search_generation_kwargs_train(tmp_path, tokenizer):
+    # TRL's test_train_with_generation_kwargs: sampled beam search; with prefix sharing on and two iterations (the
+    # old log-probs would come off the decoding) the rollout prefills inside generate and runs a policy forward
+    trainer = _trainer(tmp_path, tokenizer, prefix_sharing=True, num_iterations=2, max_steps=2,
+                       generation_kwargs={"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1})
+    assert trainer.rollout_maker.capture_decoding is False
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert _changed(trainer, before) > 0
+    with pytest.raises(ValueError, match="beam search"):
+        _trainer(tmp_path, tokenizer, vllm_importance_sampling_correction=True, generation_kwargs={"num_beams": 2})
+
+
+def _stream(n=16):
+    from datasets import IterableDataset
+
+    rows = list(prompt_dataset(n, seed=0))
+    return IterableDataset.from_generator(lambda: iter(rows))
+
+
+def test_streamed_prompts_as_trl(tmp_path, tokenizer):
+    # a streamed train set: accelerate must not dispatch batches, and it is read by one process (TRL's settings)
+    trainer = GRPOTrainer(build_toy_model(tokenizer), digit_count, train_dataset=_stream(), processing_class=tokenizer,
+                          args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                                          max_completion_length=6, max_steps=2, report_to="none", save_strategy="no",
+                                          dataloader_num_workers=2, disable_tqdm=True))
+    assert trainer.args.accelerator_config.dispatch_batches is False and trainer.args.dataloader_num_workers == 0
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert _changed(trainer, before) > 0
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+        GRPOTrainer("/no/such/model", digit_count, train_dataset=_stream(), processing_class=tokenizer,
+                    args=GRPOConfig(output_dir=str(tmp_path), accelerator_config={"dispatch_batches": True}))
+    # a streamed eval set leaves a map-style train set's workers; its own loader has none; args unchanged
+    trainer = _trainer(tmp_path, tokenizer, dataloader_num_workers=2, per_device_eval_batch_size=4)
+    trainer.eval_dataset = _stream(4)
+    assert trainer.get_train_dataloader().num_workers == 2 and trainer.get_eval_dataloader().num_workers == 0
+    assert trainer.args.dataloader_num_workers == 2
+    assert math.isfinite(trainer.evaluate()["eval_reward"])
+
+
+def test_prompt_workers_read_the_same_rows_and_resume_exactly(tmp_path, tokenizer):
+    # dataloader_num_workers: worker processes read the coming rollouts' prompt rows; the run is the one without
+    # them, loss for loss, and resuming mid-generation with them stays exact
+    def run(name, workers, resume=None, **kw):
+        trainer = _trainer(tmp_path / name, tokenizer, dataloader_num_workers=workers, max_steps=6, num_iterations=2,
+                           save_strategy="steps", save_steps=3, **kw)
+        trainer.train(resume_from_checkpoint=resume)
+        return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+    alone = run("alone", 0)
+    assert run("workers", 2) == alone
+    resumed = run("workers", 2, resume=str(tmp_path / "workers" / "checkpoint-3"))
+    assert {s: v for s, v in resumed.items() if s > 3} == {s: v for s, v in alone.items() if s > 3}

@@ -271,7 +271,7 @@ def test_environment_reward_alone(tmp_path, tool_tokenizer):
     args = PPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, rollout_batch_size=8,
                      num_ppo_epochs=1, response_length=100, max_steps=1, report_to="none", save_strategy="no",
                      disable_tqdm=True, advantage_estimator="grpo", num_generations=4)
-    with pytest.raises(ValueError, match="reward_model is None"):
+    with pytest.raises(ValueError, match="No reward source provided"):
         PPOTrainer(build_toy_model(tool_tokenizer), None, args=args, train_dataset=prompts_dataset(),
                    processing_class=tool_tokenizer, tools=[add])
     trainer = PPOTrainer(build_toy_model(tool_tokenizer), None, args=args, train_dataset=prompts_dataset(),

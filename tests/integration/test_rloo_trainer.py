@@ -96,3 +96,34 @@ def test_trls_parameters_in_trls_order():
 def test_train_dataset_is_required_as_in_trl(tmp_path):
     with pytest.raises(ValueError, match="`train_dataset` is required"):  # TRL's message, before any model loads
         RLOOTrainer("/no/such/model", digits, args=RLOOConfig(output_dir=str(tmp_path), report_to="none"))
+
+
+def test_unscored_rows_warn_and_train_on_the_scored_ones(tmp_path, tokenizer, caplog):
+    # as TRL's RLOO: a row every reward function returned None for is warned about, left out of its siblings'
+    # baselines and given advantage 0; the scored rows still train
+    def odd_rows_only(prompts, completions, **kwargs):
+        return [None if i % 2 == 0 else float(sum(map(ord, c)) % 7) for i, c in enumerate(completions)]
+
+    def nothing(prompts, completions, **kwargs):
+        return [None] * len(completions)
+
+    args = RLOOConfig(output_dir=str(tmp_path / "none"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, max_steps=1, report_to="none", learning_rate=1e-2, disable_tqdm=True,
+                      save_strategy="no", seed=0)
+    trainer = RLOOTrainer(build_toy_model(tokenizer), nothing, args=args, train_dataset=prompt_dataset(8, seed=0),
+                          processing_class=tokenizer)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert "All reward functions returned None for the following kwargs:" in caplog.text
+    assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())  # no advantage anywhere
+
+    args.output_dir = str(tmp_path / "half")
+    trainer = RLOOTrainer(build_toy_model(tokenizer), odd_rows_only, args=args,
+                          train_dataset=prompt_dataset(8, seed=0), processing_class=tokenizer)
+    rollouts = []
+    make = trainer._make_experience
+    trainer._make_experience = lambda *a, **k: rollouts.append(make(*a, **k)) or rollouts[-1]
+    trainer.train()
+    advantages = rollouts[0][0].advantages[:, 0]  # (B,) the sequence advantage on each row's first token
+    assert advantages[0::2].eq(0).all() and advantages[1::2].ne(0).any()

@@ -129,6 +129,18 @@ def test_rloo_equals_trl(normalize_advantages):
             rloo_advantages(scores, 8, normalize_advantages), trl_rloo_advantages(scores, 8, normalize_advantages))
 
 
+@pytest.mark.parametrize("normalize_advantages", [False, True])
+def test_rloo_with_unscored_rows_equals_trl(normalize_advantages):
+    # NaN: no reward function scored the row (TRL's None): out of its siblings' baselines, advantage 0; the second
+    # group keeps one scored row (no baseline: 0), the third none
+    nan = float("nan")
+    scores = torch.tensor([1.0, nan, 3.0, 0.5, nan, nan, nan, nan, nan, 2.0, 4.0, -1.0])
+    ours = rloo_advantages(scores, 3, normalize_advantages)
+    assert_close(ours, trl_rloo_advantages(scores, 3, normalize_advantages))
+    assert ours[[1, 3, 4, 5, 6, 7, 8]].eq(0).all()
+    assert_close(rloo_advantages(torch.full((6,), nan), 3, normalize_advantages), torch.zeros(6))
+
+
 # ---- REINFORCE++ ------------------------------------------------------------------------------------------------
 
 KL = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, float("inf")]], dtype=torch.float64)

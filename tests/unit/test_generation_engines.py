@@ -202,3 +202,25 @@ def test_no_kv_cache_outlives_the_generation_call(tokenizer, tiny_model, backend
     gc.collect()
     assert created, "no KV cache was built: the check saw nothing"
     assert all(ref() is None for ref in created), f"{backend}: a KV cache is still referenced after generate"
+
+
+def test_beam_search_skips_the_shared_prompt_cache_and_the_capture(tokenizer, tiny_model):
+    # TRL's generation_kwargs={"num_beams": 2, ...}: generate runs 2 rows per prompt, so the cache prefilled with one
+    # row per prompt (prefix sharing) and the log-probs off the decoding do not fit; both are skipped, the tokens are
+    # generate's own
+    ids, mask = _prompts(tokenizer, n=3)
+    ids, mask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)  # 2 rows per prompt: a shared prefill
+    beams = {"num_beams": 2, "length_penalty": -0.1}
+    shared, plain = build_engine("generate", share_prompts=True), build_engine("generate")
+    expected = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                   pad_token_id=tokenizer.pad_token_id, eos_token_id=None, **beams)[:, ids.shape[1]:]
+    for engine in (shared, plain):
+        out = engine.generate(tiny_model, ids, mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=tokenizer.pad_token_id, generation_kwargs=beams, return_logprobs=True)
+        assert torch.equal(out.response_ids, expected) and out.logprobs is None
+    torch.manual_seed(0)  # sampled beams (TRL's test: do_sample, top_k, num_beams, length_penalty) run too
+    out = shared.generate(tiny_model, ids, mask, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id,
+                          generation_kwargs={"do_sample": True, "top_k": 50, **beams})
+    assert out.response_ids.shape == (6, 8)
+    with pytest.raises(ValueError, match="num_return_sequences must be 1"):
+        PPOConfig(output_dir="unused", generation_kwargs={"num_return_sequences": 2})

@@ -289,3 +289,26 @@ def test_rollout_func_output_becomes_the_rollout(tool_tokenizer):
         rollout_func_sample(output, 3, tool_tokenizer, eos, True, "cpu")
     with pytest.raises(ValueError, match="flags"):
         rollout_func_sample({**output, "env_mask": [[1], [1, 1]]}, 2, tool_tokenizer, eos, True, "cpu")
+
+
+def test_rollout_tokenizer_swaps_in_trls_prefix_preserving_template():
+    # Qwen3's stock template drops earlier thinking once a tool message follows (not prefix-preserving): as TRL, the
+    # rollout renders with TRL's training version of it, on a copy; the tokenizer given keeps its own
+    from pathlib import Path
+
+    import trl
+    from trl.chat_template_utils import is_chat_template_prefix_preserving
+
+    from hf_rlhf.tools import check_tool_tokenizer, rollout_tokenizer
+    from hf_rlhf.toy import build_toy_tool_tokenizer
+
+    tokenizer = build_toy_tool_tokenizer()
+    assert rollout_tokenizer(tokenizer) is tokenizer  # prefix-preserving already
+    stock = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    tokenizer.chat_template, tokenizer.response_template = stock, None
+    assert not is_chat_template_prefix_preserving(tokenizer)
+    swapped = rollout_tokenizer(tokenizer)
+    assert swapped is not tokenizer and is_chat_template_prefix_preserving(swapped)
+    check_tool_tokenizer(swapped)  # TRL's response template for Qwen3, set before the swap
+    assert swapped.response_template is not None
+    assert tokenizer.chat_template == stock and tokenizer.response_template is None
