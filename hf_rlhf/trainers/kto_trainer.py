@@ -8,7 +8,9 @@ and the chunked LM head, the padding-free layout's self-check, TR-DPO's `sync_re
 - trl 1.16's `KTOTrainer` signature and `KTOConfig` fields; rows unpaired (`prompt`, `completion`, `label`) or TRL
   preference pairs split into them, checked row by row before any model loads and tokenized as TRL does, each row
   given its mismatched completion for the KL estimate (`hf_rlhf.data.kto`);
-- batches: TRL's own `DataCollatorForUnpairedPreference`, or padding-free rows (`collators.kto`);
+- batches: TRL's own `DataCollatorForUnpairedPreference`, or padding-free, prompt-cached or prefix-shared rows
+  (`collators.kto`); `prefix_sharing` reads each prompt's KV cache for its mismatched completion where the
+  self-check at init finds that exact, else runs one 4D-masked forward over both;
 - `compute_loss`: the policy's summed log-probs of the mismatched completions without gradients and the reference's
   (or the precomputed ones), the KL reference point z0 averaged over ranks (`losses.kto.kl_reference_point`), then
   one policy forward with gradients over the matched sequences and `losses.kto.kto_loss` (`kto`,
