@@ -15,9 +15,9 @@ gradients.
                     chunks of completion tokens (`chunked_lm_head`, the default above a 4,096-token vocabulary).
     padding_free    hf_rlhf `padding_free=True`: the B sequences end to end in one row, the B mismatched ones in
                     another, no padding.
-    prefix_sharing  hf_rlhf `prefix_sharing=True`: one row per row of data, [prompt | completion | mismatched
-                    completion]; one policy forward (the mismatched log-probs detached) and one reference forward,
-                    each prompt computed once.
+    prefix_sharing  hf_rlhf `prefix_sharing=True`: the policy over [prompt | completion] with gradients, keeping its
+                    KV cache, then the mismatched completions without gradients over that cache (the reference the
+                    same under no_grad): each prompt computed once, no mismatched token kept for the backward.
     trl             `trl.KTOTrainer` with the same settings (bf16 and gradient checkpointing off).
 
 rows/s (printed as "pairs/s" by the shared harness: one row is one labelled completion) = rows trained on / wall

@@ -6,6 +6,10 @@
 - Prefix sharing (`PrefixSharedUnpairedCollator`): one row per row of data, [prompt | completion | mismatched
   completion], the prompt computed once for both sequences (`collators.dpo.PrefixSharedPreferenceCollator`'s 4D mask:
   the mismatched completion attends to the prompt and itself, positions continuing from the prompt).
+- Prompt cache (`PromptCachedUnpairedCollator`, `prefix_sharing` where the model's KV cache is exact): TRL's padded
+  prompt + completion rows, and the mismatched completions as rows of their own that read the prompt from the
+  matched rows' KV cache (`KL_attention_mask` over the cache's columns and their own, `KL_position_ids` continuing
+  from the prompt).
 
 The padded layout is trl's own `DataCollatorForUnpairedPreference`.
 """
@@ -76,6 +80,70 @@ class PrefixSharedUnpairedCollator:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.shared([{"prompt_ids": f["prompt_ids"], "chosen_ids": f["completion_ids"],
                               "rejected_ids": f["KL_completion_ids"]} for f in features])
+        for key in ("ref_logps", "ref_KL_logps"):
+            if key in features[0]:
+                batch[key] = torch.tensor([float(f[key]) for f in features])
+        batch["label"] = torch.tensor([bool(f["label"]) for f in features])
+        return batch
+
+
+class PromptCachedUnpairedCollator:
+    """Collate tokenized KTO rows (`prompt_ids`, `completion_ids`, `KL_completion_ids`, `label`, optionally
+    `ref_logps`, `ref_KL_logps`) for one forward over the prompt + completion sequences whose KV cache the mismatched
+    completions then read: each prompt computed once, the mismatched tokens in a forward of their own.
+
+    Args:
+        pad_token_id, max_length, pad_to_multiple_of: as TRL's `DataCollatorForUnpairedPreference` (keep-start
+            truncation of each prompt + completion and prompt + mismatched completion at `max_length`).
+
+    Returns (from `__call__`), for B rows: TRL's matched batch, `input_ids` / `attention_mask` / `completion_mask`
+    (B, T) (right-padded [prompt | completion]); `KL_input_ids` (B, T') the last prompt token then the mismatched
+    completion ([p_last | KL completion], right-padded), `KL_completion_mask` (B, T') its completion tokens,
+    `KL_position_ids` (B, T') continuing from the prompt, `KL_attention_mask` (B, T + T') the cache columns the row
+    reads (its prompt but the last token, which it carries itself) then its own real tokens; `label` (B,) bool;
+    `ref_logps` / `ref_KL_logps` (B,) when the rows have them. A row whose prompt is empty reads nothing from the
+    cache and starts at position 0, as in TRL's layout.
+
+    >>> batch = PromptCachedUnpairedCollator(0)([{"prompt_ids": [1, 2], "completion_ids": [3, 4], "label": True,
+    ...                                           "KL_completion_ids": [5]}])
+    >>> batch["input_ids"], batch["KL_input_ids"], batch["KL_position_ids"], batch["KL_attention_mask"]
+    (tensor([[1, 2, 3, 4]]), tensor([[2, 5]]), tensor([[1, 2]]), tensor([[1, 0, 0, 0, 1, 1]]))
+    """
+
+    def __init__(self, pad_token_id: int | None, max_length: int | None = None, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id if pad_token_id is not None else 0
+        self.max_length, self.multiple = max_length, pad_to_multiple_of
+
+    def _padded(self, rows: list[list[int]], value: int, width: int | None = None) -> torch.Tensor:
+        width = width or max(len(row) for row in rows)
+        width = -(-width // self.multiple) * self.multiple if self.multiple else width
+        out = torch.full((len(rows), width), value, dtype=torch.long)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return out
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        matched, kl, kl_masks, starts = [], [], [], []
+        for f in features:
+            ids = (list(f["prompt_ids"]) + list(f["completion_ids"]))[: self.max_length]
+            matched.append((ids, ([0] * len(f["prompt_ids"]) + [1] * len(f["completion_ids"]))[: self.max_length]))
+            ids = (list(f["prompt_ids"]) + list(f["KL_completion_ids"]))[: self.max_length]
+            prompt = min(len(f["prompt_ids"]), len(ids))
+            start = max(prompt - 1, 0)  # the last prompt token predicts the first completion token
+            kl.append(ids[start:])
+            kl_masks.append([0] * (prompt - start) + [1] * (len(ids) - prompt))
+            starts.append(start)
+        batch = {"input_ids": self._padded([ids for ids, _ in matched], self.pad_token_id),
+                 "attention_mask": self._padded([[1] * len(ids) for ids, _ in matched], 0),
+                 "completion_mask": self._padded([mask for _, mask in matched], 0)}
+        cached = batch["input_ids"].shape[1]
+        batch["KL_input_ids"] = self._padded(kl, self.pad_token_id)
+        batch["KL_completion_mask"] = self._padded(kl_masks, 0)
+        width = batch["KL_input_ids"].shape[1]
+        batch["KL_attention_mask"] = self._padded(
+            [[1] * start + [0] * (cached - start) + [1] * len(ids) for ids, start in zip(kl, starts)], 0,
+            cached + width)
+        batch["KL_position_ids"] = torch.tensor(starts)[:, None] + torch.arange(width)[None]
         for key in ("ref_logps", "ref_KL_logps"):
             if key in features[0]:
                 batch[key] = torch.tensor([float(f[key]) for f in features])

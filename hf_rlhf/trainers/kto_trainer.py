@@ -8,7 +8,9 @@ and the chunked LM head, the padding-free layout's self-check, TR-DPO's `sync_re
 - trl 1.16's `KTOTrainer` signature and `KTOConfig` fields; rows unpaired (`prompt`, `completion`, `label`) or TRL
   preference pairs split into them, checked row by row before any model loads and tokenized as TRL does, each row
   given its mismatched completion for the KL estimate (`hf_rlhf.data.kto`);
-- batches: TRL's own `DataCollatorForUnpairedPreference`, or padding-free rows (`collators.kto`);
+- batches: TRL's own `DataCollatorForUnpairedPreference`, or padding-free, prompt-cached or prefix-shared rows
+  (`collators.kto`); `prefix_sharing` reads each prompt's KV cache for its mismatched completion where the
+  self-check at init finds that exact, else runs one 4D-masked forward over both;
 - `compute_loss`: the policy's summed log-probs of the mismatched completions without gradients and the reference's
   (or the precomputed ones), the KL reference point z0 averaged over ranks (`losses.kto.kl_reference_point`), then
   one policy forward with gradients over the matched sequences and `losses.kto.kto_loss` (`kto`,
@@ -27,6 +29,7 @@ from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 from ..collators.kto import (
     PaddingFreeUnpairedCollator,
     PrefixSharedUnpairedCollator,
+    PromptCachedUnpairedCollator,
     split_unpaired_batch,
     stack_padded_batches,
 )
@@ -34,6 +37,9 @@ from ..data import main_process_first_if_cached
 from ..data.kto import check_kto_rows, prepare_kto_dataset, weight_balance_warning
 from ..data.streaming import check_streamed_training, is_streamed
 from ..losses.kto import kl_reference_point, kto_loss, uses_kl_reference_point
+from ..models.adapters import adapter_scope
+from ..models.packing_check import HALF_TOLERANCE, TOLERANCE
+from ..models.prompt_cache import read_only_cache
 from .dpo_trainer import DPOTrainer
 from .kto_config import KTOConfig
 
@@ -82,6 +88,12 @@ class KTOTrainer(DPOTrainer):
         super().__init__(model, ref_model, args, data_collator, train_dataset, eval_dataset, processing_class,
                          compute_metrics, callbacks, optimizers, quantization_config, peft_config,
                          model_config=model_config)
+        # prefix_sharing: the mismatched completions read the prompt from the matched forward's KV cache where the
+        # self-check finds that exact (else the one 4D-masked forward over both, checked in DPOTrainer.__init__)
+        if (args.prefix_sharing and self.calculate_kl and data_collator is None and args.packing_check
+                and self._prompt_cache_exact()):
+            self.data_collator = PromptCachedUnpairedCollator(self.processing_class.pad_token_id, args.max_length,
+                                                              args.pad_to_multiple_of)
 
     # -- data (DPOTrainer's hooks) ------------------------------------------------------------------
     @staticmethod
@@ -127,6 +139,9 @@ class KTOTrainer(DPOTrainer):
 
     def _batch_ref_logps(self, batch: dict) -> dict:
         matched, mismatched = split_unpaired_batch(batch)
+        if "KL_position_ids" in batch and self.args.prefix_sharing:  # the mismatched rows read the prompt's cache
+            logps, kl_logps = self._reference_prompt_cached(matched, mismatched)
+            return {"completion": logps, "KL": kl_logps}
         if self.args.prefix_sharing:  # one row per row of data: the matched sequences, then the mismatched ones
             logps = self._reference_stats(self._model_inputs(matched), matched)["logps"]
             n = batch["label"].shape[0]
@@ -192,10 +207,100 @@ class KTOTrainer(DPOTrainer):
         stats = {key: value[:n] for key, value in both.items()}
         return outputs, stats, both["logps"][n:].detach(), ref_logps, ref_kl_logps
 
+    # -- prefix_sharing through the prompt's KV cache -----------------------------------------------------------
+    def _prompt_cached_pair(self, model, matched: dict, mismatched: dict, keep: bool, head, reference: bool = False,
+                            full_logits: bool = False) -> tuple:
+        """(outputs, matched stats, mismatched logps (B,)): one forward over the [prompt | completion] rows (with
+        gradients where enabled) keeping the KV cache, then the mismatched completions without gradients over that
+        cache made read-only (`PromptCachedUnpairedCollator`'s rows: each reads its prompt's columns and itself), so
+        the prompt is computed once and no activation of a mismatched token is kept for the backward."""
+        model_inputs = {**self._model_inputs(matched, full_logits=full_logits), "use_cache": True}
+        outputs, stats = self._forward(model, model_inputs, matched, keep, None, head, reference=reference)
+        cache = read_only_cache(outputs.past_key_values)
+        if cache is None:
+            raise RuntimeError(f"prefix_sharing: the model returned a {type(outputs.past_key_values).__name__}, not "
+                               "a DynamicCache of full-attention layers, for the mismatched completions to read.")
+        outputs.past_key_values = None
+        kl_inputs = {"input_ids": mismatched["input_ids"], "attention_mask": mismatched["attention_mask"],
+                     "position_ids": mismatched["position_ids"], "past_key_values": cache, "use_cache": True}
+        targets = {"input_ids": mismatched["input_ids"], "completion_mask": mismatched["completion_mask"]}
+        with torch.no_grad():
+            _, kl_stats = self._forward(model, kl_inputs, targets, keep, None, head, reference=reference)
+        del cache, kl_inputs
+        return outputs, stats, kl_stats["logps"]
+
+    @torch.no_grad()
+    def _reference_prompt_cached(self, matched: dict, mismatched: dict) -> tuple:
+        """(matched, mismatched) (B,) summed reference log-probs, the prompt computed once (`_prompt_cached_pair`)."""
+        keep, head = self._keeps_logits["reference"], self.lm_heads["reference"]
+        if self.ref_model is not None:
+            _, stats, kl_logps = self._prompt_cached_pair(self.ref_model, matched, mismatched, keep, head, True)
+        else:  # a peft policy: the base with every adapter off
+            with adapter_scope(self.accelerator.unwrap_model(self.model), None):
+                _, stats, kl_logps = self._prompt_cached_pair(self.model, matched, mismatched, keep, head, True)
+        return stats["logps"], kl_logps
+
+    def _cached_forwards(self, model, inputs: dict, return_outputs: bool) -> tuple:
+        """`prefix_sharing` through the prompt's KV cache: the reference's two forwards (or the precomputed log-probs)
+        first, then the policy's matched forward with gradients and its mismatched one without."""
+        matched, mismatched = split_unpaired_batch(inputs)
+        if "ref_logps" in inputs:
+            ref_logps, ref_kl_logps = inputs["ref_logps"], inputs["ref_KL_logps"]
+        else:  # before the policy's forward: its peak memory is not added to the policy's saved activations
+            ref_logps, ref_kl_logps = self._reference_prompt_cached(matched, mismatched)
+        keep = self._keeps_logits["policy"] and not return_outputs
+        head = None if return_outputs else self.lm_heads["policy"]
+        outputs, stats, kl_logps = self._prompt_cached_pair(model, matched, mismatched, keep, head,
+                                                            full_logits=return_outputs)
+        return outputs, stats, kl_logps, ref_logps, ref_kl_logps
+
+    def _prompt_cache_exact(self) -> bool:
+        """Whether the mismatched completions' log-probs read through the prompt's cache (`_prompt_cached_pair`)
+        equal those of the padded [prompt | mismatched completion] rows, on two short random rows, for the policy
+        and the reference; False (with an info line) where they do not or the cache is not one it reads."""
+        model = self.accelerator.unwrap_model(self.model)
+        config = model.config.get_text_config()
+        generator = torch.Generator().manual_seed(0)
+        ids = lambda n: torch.randint(3, config.vocab_size, (n,), generator=generator).tolist()  # noqa: E731
+        features = [{"prompt_ids": ids(5), "completion_ids": ids(3), "KL_completion_ids": ids(4), "label": True},
+                    {"prompt_ids": ids(2), "completion_ids": ids(5), "KL_completion_ids": ids(2), "label": False}]
+        pad = self.processing_class.pad_token_id
+        device = next(model.parameters()).device
+        to = lambda b: {k: v.to(device) for k, v in b.items()}  # noqa: E731
+        cached = split_unpaired_batch(to(PromptCachedUnpairedCollator(pad)(features)))
+        padded = split_unpaired_batch(to(DataCollatorForUnpairedPreference(pad_token_id=pad)(features)))
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                roles = [("policy", self.model)] + ([("reference", self.ref_model)] if self.ref_model is not None
+                                                    else [])
+                for role, net in roles:
+                    keep, head = self._keeps_logits[role], self.lm_heads[role]
+                    _, stats, got = self._prompt_cached_pair(net, *cached, keep, head, role == "reference")
+                    want = [self._forward(net, self._model_inputs(side), side, keep, None, head,
+                                          reference=role == "reference")[1]["logps"] for side in padded]
+                    got, want = torch.cat([stats["logps"], got]).float(), torch.cat(want).float()
+                    relative = ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+                    dtype = next(net.parameters()).dtype
+                    if not relative <= TOLERANCE.get(dtype, HALF_TOLERANCE):
+                        logger.info("prefix_sharing: the %s's prompt cache is %.2g off the padded rows; the 4D-masked "
+                                    "layout is used", role, relative)
+                        return False
+        except (RuntimeError, TypeError, ValueError, IndexError) as err:
+            logger.info("prefix_sharing: the prompt cache is not read on this model (%s); the 4D-masked layout is "
+                        "used", err)
+            return False
+        finally:
+            model.train(was_training)
+        return True
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
         mode = "train" if self.model.training else "eval"
-        forwards = self._shared_forwards if args.prefix_sharing else self._separate_forwards
+        forwards = self._separate_forwards
+        if args.prefix_sharing:
+            forwards = self._cached_forwards if "KL_position_ids" in inputs else self._shared_forwards
         outputs, stats, kl_logps, ref_logps, ref_kl_logps = forwards(model, inputs, return_outputs)
         kl = None  # the reference point z0 from the mismatched pairs, averaged over ranks
         if kl_logps is not None:

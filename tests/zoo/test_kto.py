@@ -67,3 +67,26 @@ def test_kto_loss_and_gradients_equal_full_logits(tmp_path, record_property, mod
     for name, grad in grads.items():
         assert_close(grad, full_grads[name], atol=1e-5, rtol=1e-4, msg=name)
     print(f"{model_type} {option}: |loss diff| {(loss - full_loss).abs().item():.2e}")
+
+
+@pytest.mark.parametrize("model_type, collator", [("llama", "PromptCachedUnpairedCollator"),
+                                                  ("mistral", "PrefixSharedUnpairedCollator")])
+def test_prefix_sharing_reads_the_prompt_cache_or_falls_back(tmp_path, model_type, collator):
+    """prefix_sharing reads the prompt's KV cache where the self-check finds it exact; a sliding-window cache (a
+    window no shorter than max_length: the 4D-masked layout is exact there) falls back to the 4D-masked rows. Both
+    give the padded layout's loss."""
+    config = {"sliding_window": 64} if model_type == "mistral" else {}
+    losses = {}
+    for layout in ({}, {"prefix_sharing": True}):
+        model = build(model_type, seed=1)
+        for key, value in config.items():
+            setattr(model.config, key, value)
+        args = KTOConfig(output_dir=str(tmp_path / "out"), report_to="none", max_length=64, save_strategy="no",
+                         disable_tqdm=True, per_device_train_batch_size=8, chunked_lm_head=False, **layout)
+        trainer = KTOTrainer(model, args=args, train_dataset=ROWS, processing_class=TOKENIZER)
+        if layout:
+            assert type(trainer.data_collator).__name__ == collator
+        features = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+        losses[bool(layout)] = trainer.compute_loss(trainer.model, trainer._prepare_inputs(
+            trainer.data_collator(features))).detach()
+    assert_close(losses[True], losses[False], atol=1e-5, rtol=1e-5)
