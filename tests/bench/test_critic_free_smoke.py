@@ -129,7 +129,7 @@ def test_critic_free_bench_long_tailed_world(tmp_path):
             settings["betas"]["grpo"], settings["prompt_lengths"]) == (4, 16, 32, 0.05, "longtail")
     for run in results["runs"]:
         assert run["episodes"] == 2 * 16 and run["optimizer_steps"] == 2, run["config"]
-    assert "Reproduce: `python bench/critic_free.py --world longtail --configs hf_rlhf_grpo,trl_grpo --steps 2 " \
+    assert "Reproduce: `python bench/critic_free.py --world longtail --steps 2 --configs hf_rlhf_grpo,trl_grpo " \
            "--repeats 1`" in done.stdout
 
 
