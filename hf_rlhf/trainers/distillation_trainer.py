@@ -17,7 +17,6 @@ exact, a rollout cut by a checkpoint included. What differs from TRL: docs/disti
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 from transformers import AutoConfig
@@ -35,6 +34,7 @@ from .distillation_config import DistillationConfig
 from .grpo_metrics import completion_metrics
 from .model_config import ModelConfig
 from .ppo_trainer import PPOTrainer
+from .step_time import StepTimeMixin
 
 TEACHER_SHARES_BASE = "the student's base, adapters off"
 
@@ -57,7 +57,7 @@ def _vocab_size(model) -> int:
     return int(config.get_text_config().vocab_size)
 
 
-class DistillationTrainer(PPOTrainer):
+class DistillationTrainer(StepTimeMixin, PPOTrainer):
     """On-policy distillation of `teacher_model` into `model`, with trl 1.16 `DistillationTrainer`'s arguments.
 
     Args:
@@ -112,7 +112,6 @@ class DistillationTrainer(PPOTrainer):
             check_model_path(teacher_model, "teacher model")
             if isinstance(model, str):
                 self._check_vocab(AutoConfig.from_pretrained(model), AutoConfig.from_pretrained(teacher_model))
-        self._step_started, self._micro_left = None, 0
         super().__init__(model, _no_reward, args=args, train_dataset=train_dataset, processing_class=processing_class,
                          peft_config=peft_config, model_config=model_config, callbacks=callbacks,
                          optimizers=optimizers, tools=tools, eval_dataset=eval_dataset, **kwargs)
@@ -312,20 +311,6 @@ class DistillationTrainer(PPOTrainer):
                                               tools=self.tools)
             self._eval_prompts[key] = [dict(row) for row in prepared]
         return self._eval_prompts[key]
-
-    # -- TRL's step_time: rollout and every micro-batch of the optimizer step -------------------------
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        self._step_started = time.perf_counter()
-        batches, tokens = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._micro_left = len(batches)
-        return batches, tokens
-
-    def training_step(self, *args, **kwargs):
-        loss = super().training_step(*args, **kwargs)
-        self._micro_left -= 1
-        if self._micro_left == 0 and self._step_started is not None:
-            self.metrics["train"].add("step_time", time.perf_counter() - self._step_started)
-        return loss
 
     @staticmethod
     def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5, temperature=1.0,

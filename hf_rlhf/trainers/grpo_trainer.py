@@ -12,7 +12,6 @@ same keywords (`model`, `reward_funcs`, `args`, `train_dataset`, `processing_cla
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 from transformers import TrainingArguments
@@ -28,9 +27,10 @@ from .grpo_completions import CompletionsLog, SyncPolicyRefCallback
 from .grpo_config import GRPOConfig
 from .grpo_metrics import clip_metrics, completion_metrics, reward_metrics
 from .ppo_trainer import PPOTrainer
+from .step_time import StepTimeMixin
 
 
-class GRPOTrainer(PPOTrainer):
+class GRPOTrainer(StepTimeMixin, PPOTrainer):
     """GRPO (or any `advantage_estimator` of `GRPOConfig`) with trl 1.16 `GRPOTrainer`'s arguments.
 
     Args:
@@ -88,7 +88,7 @@ class GRPOTrainer(PPOTrainer):
                                  "chunked_lm_head=True cannot go with it (leave it None).")
             args.chunked_lm_head = False
         self._reward_parts, self._reward_names, self._reward_weights = [], ["reward"], torch.ones(1)
-        self._step_started, self._micro_left, self._router_aux = None, 0, None
+        self._router_aux = None
         super().__init__(model, reward, args=args, train_dataset=train_dataset, processing_class=processing_class,
                          peft_config=peft_config, callbacks=callbacks, optimizers=optimizers,
                          eval_dataset=eval_dataset, tools=tools, environment_factory=pool,
@@ -270,22 +270,8 @@ class GRPOTrainer(PPOTrainer):
                 logs[trl_name] = logs[ours]
         return logs
 
-    # -- TRL's step_time: rollout and every micro-batch of the optimizer step -------------------------
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        self._step_started = time.perf_counter()
-        batches, tokens = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._micro_left = len(batches)
-        return batches, tokens
-
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         super().log(logs, start_time)
         if self.args.log_completions and self.accelerator.is_main_process:
             self.completions_log.flush(self.state.global_step, self.args.report_to)
-
-    def training_step(self, *args, **kwargs):
-        loss = super().training_step(*args, **kwargs)
-        self._micro_left -= 1
-        if self._micro_left == 0 and self._step_started is not None:
-            self.metrics["train"].add("step_time", time.perf_counter() - self._step_started)
-        return loss
 
