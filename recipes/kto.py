@@ -20,17 +20,12 @@ tokenizer and `<output_dir>/results.json`. `--resume_from_checkpoint true` resum
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 
 from hf_rlhf import KTOConfig, KTOTrainer, ModelConfig
 from hf_rlhf.cli.arguments import parse_recipe_args
-from hf_rlhf.cli.data_loading import load_text_dataset
 from hf_rlhf.cli.errors import run_recipe
-from hf_rlhf.cli.printing import print_outputs
-from hf_rlhf.cli.results import exit_after_stop, write_results
-from hf_rlhf.cli.resume import resume_argument, train_run
-from hf_rlhf.toy.chain import ToyChainArguments, ensure_sft_policy, is_toy_run, preference_metrics
+from hf_rlhf.toy.chain import ToyChainArguments, preference_toy_data, run_preference_recipe
 
 RECIPES = os.path.dirname(os.path.abspath(__file__))
 TOY_CONFIG = os.path.join(RECIPES, "configs", "kto_toy.yaml")
@@ -52,54 +47,18 @@ class ScriptArguments:
 def toy_data(script_args, toy_args, model_config):
     """(train rows, held-out rows, held-out prompts): the SFT policy built first when missing. `toy_train_size` /
     `toy_test_size` count pairs; each gives two unpaired rows."""
-    from hf_rlhf.cli.errors import RecipeOptionError
-    from hf_rlhf.toy import prompt_dataset, unpaired_dataset
+    from hf_rlhf.toy import unpaired_dataset
 
-    if toy_args.toy_task != "arithmetic":
-        raise RecipeOptionError(f"recipes/kto.py: the toy task is arithmetic only (--toy_task {toy_args.toy_task} is "
-                                "the PPO recipe's)")
-    ensure_sft_policy(toy_args, model_config, RECIPES)
-    rows = {split: unpaired_dataset(size, seed=toy_args.toy_seed, split=split,
-                                    rejected_slip_rate=script_args.toy_rejected_slip_rate)
-            for split, size in (("train", toy_args.toy_train_size), ("test", min(toy_args.toy_test_size, 100)))}
-    return rows["train"], rows["test"], prompt_dataset(toy_args.toy_test_size, seed=toy_args.toy_seed, split="test")
+    return preference_toy_data("kto", unpaired_dataset, script_args, toy_args, model_config, RECIPES, max_test=100)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    script_args, toy_args, model_config, args = parse_recipe_args(
-        (ScriptArguments, ToyChainArguments, ModelConfig, KTOConfig), argv, TOY_CONFIG)
-    toy = is_toy_run(script_args)
-    resume = resume_argument(args.resume_from_checkpoint)
-    if toy:  # the data first: a bad row fails before any model is loaded
-        train, test, prompts = toy_data(script_args, toy_args, model_config)
-    else:
-        from hf_rlhf.data.kto import check_kto_rows
+    from hf_rlhf.data.kto import check_kto_rows
 
-        train, test = load_text_dataset(script_args, lambda rows: check_kto_rows(rows, args))
-        prompts = None
-        if model_config.model_name_or_path is None:
-            raise ValueError("give the policy with --model_name_or_path")
-    print(f"[hf_rlhf] KTO ({args.loss_type}): policy {model_config.model_name_or_path}")
-    trainer = KTOTrainer(model_config.model_name_or_path, args=args, train_dataset=train, eval_dataset=test,
-                         model_config=model_config)
-
-    def evaluate() -> dict:
-        return preference_metrics(trainer, prompts, test, script_args.max_new_tokens, args.per_device_eval_batch_size,
-                                  ("loss", "rewards/margins", "kl"))
-
-    start = time.perf_counter()
-    before = evaluate()
-    metrics = train_run(trainer, resume)
-    task = "toy" if toy else script_args.dataset_name
-    exit_after_stop(trainer, args.output_dir, metrics, {"before": before, "task": task})
-    trainer.save_model(args.output_dir)
-    after = evaluate()
-    results = {"before": before, "after": after, "train": metrics, "task": task,
-               "policy": model_config.model_name_or_path, "wall_s": round(time.perf_counter() - start, 1)}
-    if trainer.is_world_process_zero():
-        write_results(args.output_dir, results)
-        print_outputs("KTO", args.output_dir, results)
-    return results
+    parsed = parse_recipe_args((ScriptArguments, ToyChainArguments, ModelConfig, KTOConfig), argv, TOY_CONFIG)
+    args = parsed[3]
+    return run_preference_recipe("KTO", KTOTrainer, parsed, toy_data, check_kto_rows,
+                                 ("loss", "rewards/margins", "kl"), args.loss_type)
 
 
 if __name__ == "__main__":

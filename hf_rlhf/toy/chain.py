@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..cli.data_loading import PromptData
+from ..cli.data_loading import PromptData, load_text_dataset
 from ..cli.errors import RecipeOptionError
 from .tasks import prompt_dataset, reward_fn, task_of
 
@@ -239,6 +239,70 @@ def ensure_sft_policy(toy_args, model_config, recipes_dir: str) -> None:
         build_with_recipe(os.path.join(recipes_dir, "sft.py"), ["--config", config, "--output_dir",
                                                                  toy_args.sft_model_path], toy_args.build_threads)
     model_config.model_name_or_path = toy_args.sft_model_path
+
+
+def preference_toy_data(recipe: str, build_rows, script_args, toy_args, model_config, recipes_dir: str,
+                        max_test: int) -> tuple:
+    """The preference recipes' toy data (DPO, KTO): (train rows, held-out rows, held-out prompts), the SFT policy
+    built first when missing. `build_rows(size, seed=, split=, rejected_slip_rate=)` is the toy's row builder
+    (`preference_dataset`, `unpaired_dataset`); the held-out rows are at most `max_test` of `toy_test_size`."""
+    if toy_args.toy_task != "arithmetic":
+        raise RecipeOptionError(f"recipes/{recipe}.py: the toy task is arithmetic only (--toy_task "
+                                f"{toy_args.toy_task} is the PPO recipe's)")
+    ensure_sft_policy(toy_args, model_config, recipes_dir)
+    rows = {split: build_rows(size, seed=toy_args.toy_seed, split=split,
+                              rejected_slip_rate=script_args.toy_rejected_slip_rate)
+            for split, size in (("train", toy_args.toy_train_size), ("test", min(toy_args.toy_test_size, max_test)))}
+    return rows["train"], rows["test"], prompt_dataset(toy_args.toy_test_size, seed=toy_args.toy_seed, split="test")
+
+
+def run_preference_recipe(name: str, trainer_class, parsed: tuple, toy_data, check_rows, metric_keys: tuple[str, ...],
+                          detail: str) -> dict:
+    """The DPO and KTO recipes after parsing: the data (the toy's, or `--dataset_name` with every row checked by
+    `check_rows(rows, args)`) before any model loads, the trainer, the held-out figures before and after training,
+    the model and results.json written (on the main process).
+
+    Args:
+        parsed: (script_args, toy_args, model_config, args) as `parse_recipe_args` returns them.
+        toy_data: `(script_args, toy_args, model_config) -> (train, test, prompts)` for the toy run.
+        metric_keys: the `eval_<key>` metrics reported beside the exact match.
+        detail: what the start line names besides the policy (the loss type).
+    """
+    from ..cli.printing import print_outputs
+    from ..cli.results import exit_after_stop, write_results
+    from ..cli.resume import resume_argument, train_run
+
+    script_args, toy_args, model_config, args = parsed
+    toy = is_toy_run(script_args)
+    resume = resume_argument(args.resume_from_checkpoint)
+    if toy:  # the data first: a bad row fails before any model is loaded
+        train, test, prompts = toy_data(script_args, toy_args, model_config)
+    else:
+        train, test = load_text_dataset(script_args, lambda rows: check_rows(rows, args))
+        prompts = None
+        if model_config.model_name_or_path is None:
+            raise ValueError("give the policy with --model_name_or_path")
+    print(f"[hf_rlhf] {name} ({detail}): policy {model_config.model_name_or_path}")
+    trainer = trainer_class(model_config.model_name_or_path, args=args, train_dataset=train, eval_dataset=test,
+                            model_config=model_config)
+
+    def evaluate() -> dict:
+        return preference_metrics(trainer, prompts, test, script_args.max_new_tokens, args.per_device_eval_batch_size,
+                                  metric_keys)
+
+    start = time.perf_counter()
+    before = evaluate()
+    metrics = train_run(trainer, resume)
+    task = "toy" if toy else script_args.dataset_name
+    exit_after_stop(trainer, args.output_dir, metrics, {"before": before, "task": task})
+    trainer.save_model(args.output_dir)
+    after = evaluate()
+    results = {"before": before, "after": after, "train": metrics, "task": task,
+               "policy": model_config.model_name_or_path, "wall_s": round(time.perf_counter() - start, 1)}
+    if trainer.is_world_process_zero():
+        write_results(args.output_dir, results)
+        print_outputs(name, args.output_dir, results)
+    return results
 
 
 def preference_metrics(trainer, prompts, test, max_new_tokens: int, batch_size: int, keys: tuple[str, ...]) -> dict:
