@@ -33,9 +33,6 @@ sharing saves the most), with max_length 256.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
 DEFAULT_CONFIGS = ("padded", "padding_free", "prefix_sharing", "trl")
@@ -72,35 +69,21 @@ def build_trainer(name: str, model, tokenizer, dataset, settings: dict, output_d
 
 
 def worker(name: str, settings: dict, threads: int) -> dict:
-    import contextlib
-    import tempfile
-
     import torch
 
-    from hf_rlhf.toy import build_toy_model, build_toy_tokenizer, preference_dataset
+    from hf_rlhf.toy import build_toy_tokenizer, preference_dataset
 
     torch.set_num_threads(threads)
     tokenizer = build_toy_tokenizer()
     dataset = preference_dataset(settings["pairs"], seed=0, split="train")
     if settings.get("prompts") == "long":
         dataset = dataset.map(lambda row: {"prompt": LONG_PROMPT + row["prompt"]})
-    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON
-        model = os.path.join(tmp, "model")  # both libraries load the policy (and TRL its reference) from a path
-        if settings["size"] == "llama40m":  # bench/generation.py's 42M Llama (vocabulary 16,000)
-            import generation as generation_bench
-
-            generation_bench.build_model("llama40m", tokenizer).save_pretrained(model)
-        else:
-            build_toy_model(tokenizer, settings["size"], seed=0).save_pretrained(model)
-        tokenizer.save_pretrained(model)
-        trainer = build_trainer(name, model, tokenizer, dataset, settings, os.path.join(tmp, "out"))
-        return harness.train_pairs(name, trainer, real_tokens)
+    return harness.train_saved_policy(name, settings, tokenizer, dataset, build_trainer, real_tokens)
 
 
 # ----------------------------------------------------------------------------------------------- parent side
 def model_note(settings: dict, first: dict) -> str:
-    name = ("a 42M-parameter Llama (hidden 512, 8 layers, vocabulary 16,000: bench/generation.py's llama40m)"
-            if settings["size"] == "llama40m" else f"toy `{settings['size']}` LlamaForCausalLM")
+    name = harness.policy_note(settings)
     return (f"Model: {name} (policy + frozen reference), {settings['pairs']} pairs, {first['attn']}, fp32, "
             f"AdamW lr 1e-3, loss_type sigmoid, {first['threads']} torch thread(s); activation checkpointing off; "
             f"{settings['prompts']} prompts (max_length {settings['max_length']}).")

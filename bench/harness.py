@@ -153,6 +153,36 @@ def train_pairs(name: str, trainer, real_tokens) -> dict:
     }
 
 
+def train_saved_policy(name: str, settings: dict, tokenizer, dataset, build_trainer, real_tokens) -> dict:
+    """A preference benchmark's worker body (DPO, KTO): the policy (`settings["size"]`: a toy Llama, or
+    bench/generation.py's 42M `llama40m`) and `tokenizer` saved to a temporary directory, from which both libraries
+    load it (and TRL its reference); `build_trainer(name, path, tokenizer, dataset, settings, output_dir)`'s trainer
+    trained there (`train_pairs`). stdout carries the worker's JSON, so what the libraries print goes to stderr."""
+    import contextlib
+    import tempfile
+
+    from hf_rlhf.toy import build_toy_model
+
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
+        model = os.path.join(tmp, "model")
+        if settings["size"] == "llama40m":  # 42M parameters, vocabulary 16,000
+            import generation as generation_bench
+
+            generation_bench.build_model("llama40m", tokenizer).save_pretrained(model)
+        else:
+            build_toy_model(tokenizer, settings["size"], seed=0).save_pretrained(model)
+        tokenizer.save_pretrained(model)
+        trainer = build_trainer(name, model, tokenizer, dataset, settings, os.path.join(tmp, "out"))
+        return train_pairs(name, trainer, real_tokens)
+
+
+def policy_note(settings: dict) -> str:
+    """The model of a preference benchmark, as its report names it."""
+    if settings["size"] == "llama40m":
+        return "a 42M-parameter Llama (hidden 512, 8 layers, vocabulary 16,000: bench/generation.py's llama40m)"
+    return f"toy `{settings['size']}` LlamaForCausalLM"
+
+
 def check_same_pair_work(runs: list[dict], settings: dict, loss_exempt: tuple[str, ...] = ()) -> None:
     """Every run trained on every pair once, on the same real tokens, fp32 (the losses agree: same data order;
     configurations in `loss_exempt` compute the loss another way and are not compared)."""

@@ -30,9 +30,6 @@ time of `trainer.train()` (model and dataset preparation excluded); peak RSS of 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import harness  # bench/harness.py: these scripts run as `python bench/<name>.py`
 
 DEFAULT_CONFIGS = ("padded", "padding_free", "prefix_sharing", "trl")
@@ -66,33 +63,19 @@ def build_trainer(name: str, model, tokenizer, dataset, settings: dict, output_d
 
 
 def worker(name: str, settings: dict, threads: int) -> dict:
-    import contextlib
-    import tempfile
-
     import torch
 
-    from hf_rlhf.toy import build_toy_model, build_toy_tokenizer, unpaired_dataset
+    from hf_rlhf.toy import build_toy_tokenizer, unpaired_dataset
 
     torch.set_num_threads(threads)
     tokenizer = build_toy_tokenizer()
     dataset = unpaired_dataset(settings["pairs"] // 2, seed=0, split="train")
-    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON
-        model = os.path.join(tmp, "model")  # both libraries load the policy (and TRL its reference) from a path
-        if settings["size"] == "llama40m":  # bench/generation.py's 42M Llama (vocabulary 16,000)
-            import generation as generation_bench
-
-            generation_bench.build_model("llama40m", tokenizer).save_pretrained(model)
-        else:
-            build_toy_model(tokenizer, settings["size"], seed=0).save_pretrained(model)
-        tokenizer.save_pretrained(model)
-        trainer = build_trainer(name, model, tokenizer, dataset, settings, os.path.join(tmp, "out"))
-        return harness.train_pairs(name, trainer, real_tokens)
+    return harness.train_saved_policy(name, settings, tokenizer, dataset, build_trainer, real_tokens)
 
 
 # ----------------------------------------------------------------------------------------------- parent side
 def model_note(settings: dict, first: dict) -> str:
-    name = ("a 42M-parameter Llama (hidden 512, 8 layers, vocabulary 16,000: bench/generation.py's llama40m)"
-            if settings["size"] == "llama40m" else f"toy `{settings['size']}` LlamaForCausalLM")
+    name = harness.policy_note(settings)
     return (f"Model: {name} (policy + frozen reference), {settings['pairs']} unpaired rows (\"pairs\" in the table), "
             f"{first['attn']}, fp32, AdamW lr 1e-3, loss_type kto, {first['threads']} torch thread(s); activation "
             f"checkpointing off; max_length {settings['max_length']}.")
