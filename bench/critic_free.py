@@ -248,18 +248,12 @@ def prepare(settings: dict, root: str) -> str:
 
 
 def build_llama25m(tokenizer):
-    """A 25M-parameter Llama (hidden 512, 8 layers, 8 heads, MLP 1,408: bench/generation.py's llama40m) on the toy
-    tokenizer's vocabulary, so that sampled ids decode; seeded."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """bench/generation.py's llama40m shape (hidden 512, 8 layers, 8 heads, MLP 1,408) on the toy tokenizer's
+    vocabulary, so that sampled ids decode: 25M parameters; seeded."""
+    import generation as generation_bench  # bench/generation.py
 
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(config).float()
+    return generation_bench.build_model("llama40m", tokenizer, vocab_size=len(tokenizer), max_position_embeddings=512,
+                                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
 def long_tailed_prompts(prompts: list[str], tokenizer, seed: int) -> list[str]:

@@ -46,7 +46,9 @@ PRESETS = {
 
 
 # ----------------------------------------------------------------------------------------------- worker side
-def build_model(name: str, tokenizer):
+def build_model(name: str, tokenizer, **config):
+    """"toy" / "toy_tiny": the toy Llamas; "llama40m": a 42M Llama (hidden 512, 8 layers, vocabulary 16,000), seeded;
+    `config` overrides its `LlamaConfig` fields (e.g. the vocabulary)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -56,11 +58,11 @@ def build_model(name: str, tokenizer):
         return build_toy_model(tokenizer, "small", seed=0)
     if name == "toy_tiny":
         return build_toy_model(tokenizer, "tiny", seed=0)
-    config = LlamaConfig(vocab_size=16000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id)
+    fields = dict(vocab_size=16000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
+                  tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**{**fields, **config}))
 
 
 def worker(name: str, model_name: str, settings: dict, threads: int) -> dict:

@@ -4,7 +4,7 @@ score against the prompt computed (with gradients) for the matched completions, 
 `read_only_cache` turns the `DynamicCache` a forward returned into one whose layers return the cached keys and values
 followed by the new tokens' but keep none of them (the cache is not grown, so a no-grad forward over it holds one
 layer's concatenation at a time, and the tensors the first forward saved for its backward are never written).
-`check_prompt_cache_exact` compares, on the model about to be trained, sequences scored that way with the same
+`KTOTrainer._prompt_cache_exact` compares, on the model about to be trained, sequences scored that way with the same
 sequences run apart.
 """
 
