@@ -5,12 +5,13 @@
     accelerate launch recipes/distill.py --model_name_or_path <student> --teacher_model_name_or_path <teacher> \
         --dataset_name <prompts>
 
-Toy task: the teacher is the SFT recipe's policy (`sft_model_path`, default `outputs/sft`, a 0.9M 4-layer Llama;
-built first with recipes/sft.py when missing); the student is the teacher with three of its four decoder layers
+Toy task: the teacher is the PPO recipe's policy (`ppo_model_path`, default `outputs/ppo`, a 0.9M 4-layer Llama;
+built first with recipes/ppo.py, and its SFT policy with recipes/sft.py, when missing; `--toy_teacher sft`: the SFT
+policy at `sft_model_path` instead); the student is the teacher with three of its four decoder layers
 (`student_layers`: DistilBERT's initialisation, 3/4 of the parameters; or any model at `student_model_path`). It is
-distilled on the teacher's greedy answers to the training prompts (`lmbda` of the rollouts sampled by the student
-itself, the rest those answers), and, for comparison, the same student is trained by SFT on the same answers with
-the same number of samples (off-policy distillation). Printed and written to results.json: held-out greedy exact
+distilled on its own samples of the training prompts (`lmbda` of the rollouts; the rest are the teacher's greedy
+answers), and, for comparison, the same student is trained by SFT on the teacher's greedy answers to the same prompts
+with the same number of samples (off-policy distillation). Printed and written to results.json: held-out greedy exact
 match of the teacher (`teacher.exact_match`), of the student before (`before`), after distillation (`after`) and
 after SFT on the teacher's outputs (`sft_on_teacher_outputs`).
 
@@ -48,6 +49,15 @@ class ScriptArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
     dataset_test_split: str | None = field(default="test", metadata={"help": "Held-out split (if present)."})
+    toy_teacher: str = field(
+        default="ppo", metadata={"help": "Toy task: the teacher: the PPO recipe's policy (`ppo_model_path`, built with "
+                                         "recipes/ppo.py from `sft_model_path` when missing) or the SFT recipe's "
+                                         "(`sft_model_path`).", "choices": ["ppo", "sft"]})
+    ppo_model_path: str = field(
+        default="outputs/ppo", metadata={"help": "Toy task: the PPO recipe's policy (the `toy_teacher ppo`)."})
+    ppo_config: str | None = field(
+        default=None, metadata={"help": "Toy task: the config the PPO teacher is built with "
+                                        "(None: recipes/configs/ppo_toy.yaml)."})
     student_model_path: str | None = field(
         default=None, metadata={"help": "Toy task: the student to start from. None: the teacher with only its "
                                         "`student_layers` decoder layers (saved as <output_dir>/student_init)."})
@@ -63,8 +73,10 @@ class ScriptArguments:
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (None: torch's)."})
 
 
-def build_missing(path: str, script: str, config: str, threads: int | None, allowed: bool) -> float:
-    """Build the model at `path` with recipes/`script` and `config` when it is missing; the seconds it took."""
+def build_missing(path: str, script: str, config: str, threads: int | None, allowed: bool,
+                  extra: tuple[str, ...] = ()) -> float:
+    """Build the model at `path` with recipes/`script`, `config` and the `extra` options when it is missing; the
+    seconds it took."""
     if is_model_dir(path):
         print(f"[hf_rlhf] {path}: found")
         return 0.0
@@ -73,7 +85,7 @@ def build_missing(path: str, script: str, config: str, threads: int | None, allo
     print(f"[hf_rlhf] {path} is missing; building it with recipes/{script} --config {os.path.relpath(config)}",
           flush=True)
     start = time.perf_counter()
-    build_with_recipe(os.path.join(RECIPES, script), ["--config", config, "--output_dir", path], threads)
+    build_with_recipe(os.path.join(RECIPES, script), ["--config", config, "--output_dir", path, *extra], threads)
     return round(time.perf_counter() - start, 1)
 
 
@@ -87,10 +99,17 @@ def toy_data(script_args, toy_args, model_config, args) -> dict:
                                 f"{toy_args.toy_task} is the PPO recipe's)")
     timings = {}
     if args.teacher_model_name_or_path is None:
-        config = toy_args.sft_config or os.path.join(RECIPES, "configs", "sft_toy.yaml")
-        timings["teacher_build_s"] = build_missing(toy_args.sft_model_path, "sft.py", config, toy_args.build_threads,
-                                                   toy_args.build_missing)
-        args.teacher_model_name_or_path = toy_args.sft_model_path
+        sft_config = toy_args.sft_config or os.path.join(RECIPES, "configs", "sft_toy.yaml")
+        if script_args.toy_teacher == "sft":
+            path, script, config, extra = toy_args.sft_model_path, "sft.py", sft_config, ()
+        else:  # recipes/ppo.py builds its SFT policy first when that is missing too
+            path, script, extra = script_args.ppo_model_path, "ppo.py", ("--sft_model_path", toy_args.sft_model_path)
+            config = script_args.ppo_config or os.path.join(RECIPES, "configs", "ppo_toy.yaml")
+            if toy_args.sft_config is not None:
+                extra += ("--sft_config", toy_args.sft_config)
+        timings["teacher_build_s"] = build_missing(path, script, config, toy_args.build_threads,
+                                                   toy_args.build_missing, extra)
+        args.teacher_model_name_or_path = path
     if model_config.model_name_or_path is None and script_args.student_model_path is not None:
         model_config.model_name_or_path = script_args.student_model_path
     return {"train": prompt_dataset(toy_args.toy_train_size, seed=toy_args.toy_seed + 1, split="train"),

@@ -210,8 +210,8 @@ def few_steps(name: str, args: list[str], out: str, prebuilt: dict) -> list[str]
         extra += ["--sft_model_path", prebuilt["sft"]]
     if name in ("dpo", "kto"):
         extra += ["--sft_model_path", prebuilt["sft"]]
-    if name == "distill":  # the tiny SFT policy as teacher and as the student's start
-        extra += ["--sft_model_path", prebuilt["sft"], "--student_model_path", prebuilt["sft"]]
+    if name == "distill":  # the tiny SFT policy as the (PPO) teacher and as the student's start
+        extra += ["--ppo_model_path", prebuilt["sft"], "--student_model_path", prebuilt["sft"]]
     if name == "ppo":
         sft_model = prebuilt["sft_tools"] if is_tools_toy(args) else prebuilt["sft"]
         extra += ["--sft_model_path", sft_model, "--reward_model_path", prebuilt["reward"]]

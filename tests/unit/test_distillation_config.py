@@ -25,9 +25,10 @@ def test_toy_config_loads_and_fits_the_toy_task():
         ["--config", distill.TOY_CONFIG], "unused")
     assert script_args.dataset_name is None and model_config.model_name_or_path is None  # the toy task
     assert 6 <= args.max_completion_length == args.response_length <= 12  # answers are <= 5 characters + eos
-    assert 0 <= args.beta <= 1 and 0 < args.lmbda <= 1 and script_args.compare_sft
-    # at most three passes over the prompts (the student's samples differ on each; SFT gets the same rows)
-    assert 3 * toy_args.toy_train_size >= args.max_steps * args.per_device_train_batch_size
+    assert args.beta == 1.0 and args.lmbda == 1.0 and script_args.compare_sft  # TRL's defaults, against SFT
+    # each prompt comes back several times: a fresh sample for distillation on each pass, the same answer for SFT
+    assert 6 <= args.max_steps * args.per_device_train_batch_size / toy_args.toy_train_size <= 24
+    assert script_args.toy_teacher == "ppo" and script_args.ppo_model_path == "outputs/ppo"  # built from outputs/sft
     assert toy_args.sft_model_path == "outputs/sft" and script_args.student_model_path is None  # the teacher's layers
 
 
