@@ -17,6 +17,8 @@ worker process's.
 
     python bench/distill.py --repeats 3              # ~4 min on 2 busy CPU cores
     python bench/distill.py --quick --repeats 1 --output /tmp/smoke.json     # smoke test, < 60 s
+    python bench/distill.py --preset qwen --configs hf_rlhf_lean,trl --repeats 3 \
+        --output bench/results/distill_qwen.json     # the Qwen2.5-0.5B shape (152k vocabulary), ~10 min
 """
 
 from __future__ import annotations
@@ -34,7 +36,46 @@ EXTRA = {"hf_rlhf_lean": {"generation_backend": "lean"}}  # hf_rlhf's own decodi
 PRESETS = {
     "full": dict(batch_size=16, steps=24, accumulation=2, completion_length=16, student="tiny", teacher="small"),
     "quick": dict(batch_size=8, steps=4, accumulation=2, completion_length=8, student="tiny", teacher="tiny"),
+    # a real vocabulary and width (bench/scale.py's Qwen2.5-0.5B shape, random weights, depth cut): the divergence's
+    # (tokens, V) tensors, the generation's logits and the optimizer states dominate, not the libraries' imports
+    "qwen": dict(batch_size=8, steps=4, accumulation=2, completion_length=64, prompt_length=32, shape="qwen2.5-0.5b",
+                 student=1, teacher=2),
 }
+
+
+def vocabulary(settings: dict) -> int:
+    import scale  # bench/scale.py
+
+    return scale.SHAPES[settings["shape"]]["vocab_size"]
+
+
+def models_and_prompts(settings: dict, tmp: str):
+    """(student dir, teacher dir, tokenizer, prompt rows) of a preset: toy Llamas saved under `tmp` and toy prompts,
+    or bench/scale.py's shape at `student` / `teacher` layers (built once, cached) and seeded random-word prompts."""
+    from transformers import PreTrainedTokenizerFast
+
+    if "shape" in settings:
+        import random
+
+        import scale  # bench/scale.py
+        from datasets import Dataset
+
+        paths = {role: scale.prepare_model(settings["shape"], settings[role]) for role in ("student", "teacher")}
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(paths["student"])  # the word-level one (not Qwen2's)
+        rng = random.Random(0)
+        prompts = Dataset.from_list([{"prompt": scale.words(scale.random_ids(rng, settings["prompt_length"],
+                                                                             len(tokenizer)))}
+                                     for _ in range(settings["batch_size"])])
+        return paths["student"], paths["teacher"], tokenizer, prompts
+    from hf_rlhf.toy import build_toy_model, build_toy_tokenizer, prompt_dataset
+
+    tokenizer = build_toy_tokenizer()
+    paths = {}
+    for role, seed in (("student", 0), ("teacher", 1)):
+        paths[role] = os.path.join(tmp, role)
+        build_toy_model(tokenizer, settings[role], seed=seed).save_pretrained(paths[role])
+        tokenizer.save_pretrained(paths[role])
+    return paths["student"], paths["teacher"], tokenizer, prompt_dataset(settings["batch_size"], seed=0)
 
 
 def worker(name: str, settings: dict, threads: int) -> dict:
@@ -43,18 +84,10 @@ def worker(name: str, settings: dict, threads: int) -> dict:
 
     import torch
 
-    from hf_rlhf.toy import build_toy_model, build_toy_tokenizer, prompt_dataset
-
     torch.set_num_threads(threads)
     lib = __import__(name.removesuffix("_lean"))
-    tokenizer = build_toy_tokenizer()
-    prompts = prompt_dataset(settings["batch_size"], seed=0)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON
-        paths = {}
-        for role, seed in (("student", 0), ("teacher", 1)):
-            paths[role] = os.path.join(tmp, role)
-            build_toy_model(tokenizer, settings[role], seed=seed).save_pretrained(paths[role])
-            tokenizer.save_pretrained(paths[role])
+        student, teacher, tokenizer, prompts = models_and_prompts(settings, tmp)
         init = {"dtype": "float32", "device_map": None}
         args = lib.DistillationConfig(
             output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=settings["batch_size"] // 2,
@@ -63,7 +96,7 @@ def worker(name: str, settings: dict, threads: int) -> dict:
             generation_kwargs={"do_sample": False}, logging_strategy="no", save_strategy="no", report_to="none",
             disable_tqdm=True, seed=0, use_cpu=True, bf16=False, gradient_checkpointing=False,
             model_init_kwargs=init, teacher_model_init_kwargs=init, dataloader_num_workers=0, **EXTRA.get(name, {}))
-        trainer = lib.DistillationTrainer(model=paths["student"], teacher_model=paths["teacher"], args=args,
+        trainer = lib.DistillationTrainer(model=student, teacher_model=teacher, args=args,
                                           train_dataset=prompts, processing_class=tokenizer)
         load_before = os.getloadavg()[0]
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -85,12 +118,21 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
-    parser.add_argument("--quick", action="store_true", help="tiny data and models: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="tiny data and models: a smoke run (--preset quick)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full",
+                        help="full: toy models (default); qwen: the Qwen2.5-0.5B shape, 1-layer student, 2-layer "
+                             "teacher, 8 x 64 tokens a step")
     parser.add_argument("--output", default="bench/results/distill.json", help="JSON results path")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated, of {', '.join(CONFIGS)}; trl is the reference (default: all)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every run (default 1)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
-    settings = PRESETS["quick" if cli.quick else "full"]
+    preset = "quick" if cli.quick else cli.preset
+    configs = [c for c in cli.configs.split(",") if c]
+    if not configs or set(configs) - set(CONFIGS) or "trl" not in configs:
+        parser.error(f"--configs: names of {', '.join(CONFIGS)}, trl among them; got {cli.configs!r}")
+    settings = PRESETS[preset]
     if cli.worker:
         run = worker(cli.worker, settings, cli.threads)
         run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the whole worker's
@@ -99,9 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     command = "python bench/distill.py " + " ".join(argv if argv is not None else sys.argv[1:])
     runs = []
     for r in range(cli.repeats):
-        for config in CONFIGS:
+        for config in configs:
             run = {"round": r, **harness.run_worker(__file__, ["--worker", config, "--threads", str(cli.threads)]
-                                                    + (["--quick"] if cli.quick else []))}
+                                                    + ["--preset", preset])}
             runs.append(run)
             print(f"round {r + 1}/{cli.repeats} {config:>8}: {run['pairs_per_s']:7.1f} completions/s "
                   f"({run['steps']} steps, {run['seconds']:.1f} s, loss {run['train_loss']:.5f}, peak RSS "
@@ -112,12 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     losses = [run["train_loss"] for run in runs]
     if max(losses) - min(losses) > 1e-4 * max(abs(min(losses)), 1e-3):
         raise AssertionError(f"the runs' losses differ ({losses}): not the same completions")
-    summary = harness.summarize_pairs(runs, list(CONFIGS), cli.repeats, "trl")
+    summary = harness.summarize_pairs(runs, configs, cli.repeats, "trl")
     table = harness.pairs_table(summary).replace("pairs/s", "completions/s").replace("per pair", "per completion")
     notes = [f"Same work in every run: {runs[0]['pairs']} greedy completions of {settings['completion_length']} "
              f"tokens at most, {runs[0]['steps']} optimizer steps of {settings['batch_size']} (per device "
              f"{settings['batch_size'] // 2} x {settings['accumulation']} accumulation), beta 0.5.",
-             f"Student: toy `{settings['student']}` Llama; teacher: toy `{settings['teacher']}` Llama; "
+             (f"Student: {settings['shape']} shape, {settings['student']} layer(s); teacher: the same shape, "
+              f"{settings['teacher']} layers; vocabulary {vocabulary(settings):,}; random weights; "
+              if "shape" in settings else
+              f"Student: toy `{settings['student']}` Llama; teacher: toy `{settings['teacher']}` Llama; ") +
              f"{runs[0]['threads']} torch thread(s); fp32.",
              f"Medians of {cli.repeats} interleaved rounds; ratios are medians of per-round ratios. Load average "
              f"{min(r['load_before'] for r in runs):.1f}-{max(r['load_before'] for r in runs):.1f} on "

@@ -19,11 +19,20 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import nn
 from transformers import AutoConfig
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from ..data import DataValidationError, as_dataset
 from ..losses.chunked_head import tokens_per_chunk
-from ..losses.distillation import chunked_divergence, generalized_jsd_loss, reduce_divergence, token_divergence
+from ..losses.distillation import (
+    chunked_divergence,
+    divergence_chunk_tokens,
+    generalized_jsd_loss,
+    linear_head_divergence,
+    reduce_divergence,
+    token_divergence,
+)
 from ..models.adapters import adapter_scope, unwrap_peft
 from ..models.lm_head import resolve_lm_head
 from ..models.loading import check_model_path, load_model
@@ -215,7 +224,11 @@ class DistillationTrainer(StepTimeMixin, PPOTrainer):
 
     # -- loss ----------------------------------------------------------------------------------------
     def _divergence(self, model, query_ids, query_mask, response_ids, loss_mask, context_mask):
-        """(divergence (N,), student entropy (N,)) over the N tokens where `loss_mask` is 1."""
+        """(divergence (N,), student entropy (N,), Σ divergence or None) over the N tokens where `loss_mask` is 1.
+
+        The sum is given (and carries the gradient) where the student's head is a plain linear layer trained here
+        (`linear_head_divergence`: gradients worked out in the forward, one (V, H) buffer); elsewhere the
+        divergence itself carries it (chunked under activation checkpointing, or from the full logits)."""
         args, keep = self.args, loss_mask.bool()
         part = (query_ids, query_mask, response_ids, context_mask)
         teacher = self.teacher_model
@@ -235,13 +248,21 @@ class DistillationTrainer(StepTimeMixin, PPOTrainer):
                 with teacher_scope():
                     return teacher_head.logits(h)
 
-            return chunked_divergence(hidden[keep], teacher_hidden[keep].to(hidden.device), student_head.logits,
-                                      teacher_logits, args.beta, args.temperature,
-                                      tokens_per_chunk(student_head.vocab_size))
+            chunk = tokens_per_chunk(student_head.vocab_size, divergence_chunk_tokens(student_head.vocab_size))
+            student_hidden, teacher_hidden = hidden[keep], teacher_hidden[keep].to(hidden.device)
+            linear = student_head.module
+            if type(linear) is nn.Linear and torch.is_grad_enabled() and not is_deepspeed_zero3_enabled():
+                total, divergence, entropy = linear_head_divergence(
+                    student_hidden.to(linear.weight.device), linear.weight, linear.bias, teacher_hidden,
+                    teacher_logits, args.beta, args.temperature, student_head.scale, student_head.softcap, chunk)
+                return divergence, entropy, total
+            return (*chunked_divergence(student_hidden, teacher_hidden, student_head.logits, teacher_logits,
+                                        args.beta, args.temperature, chunk), None)
         logits, _, _ = response_logits(model, *part, share_prompts=self.share_prompts)
         with torch.no_grad(), teacher_scope():
             teacher_logits, _, _ = response_logits(teacher, *part)
-        return token_divergence(logits[keep], teacher_logits[keep].to(logits.device), args.beta, args.temperature)
+        return (*token_divergence(logits[keep], teacher_logits[keep].to(logits.device), args.beta, args.temperature),
+                None)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Σ divergence over the completion tokens / num_items_in_batch (the step's tokens; else this batch's).
@@ -255,8 +276,12 @@ class DistillationTrainer(StepTimeMixin, PPOTrainer):
         else:
             exp = Experience.from_dict(inputs)
             part = (exp.query_ids, exp.query_mask, exp.response_ids, exp.response_mask, exp.context_mask)
-        divergence, entropy = self._divergence(model, *part)
-        loss = reduce_divergence(divergence, torch.ones_like(divergence), num_items_in_batch)
+        divergence, entropy, total = self._divergence(model, *part)
+        if total is None:
+            loss = reduce_divergence(divergence, torch.ones_like(divergence), num_items_in_batch)
+        else:  # the same reduction, of the sum that carries the gradient
+            count = max(divergence.numel(), 1) if num_items_in_batch is None else num_items_in_batch
+            loss = total / (count.to(total.device) if torch.is_tensor(count) else count)
         mode = "train" if model.training else "eval"
         tokens = float(divergence.numel())
         metrics = self.metrics[mode]
@@ -288,9 +313,9 @@ class DistillationTrainer(StepTimeMixin, PPOTrainer):
             for start in range(0, len(shard), size):
                 experience, _ = self.rollout_maker.make(module, shard[start:start + size], 0.0)
                 module.eval()
-                divergence, entropy = self._divergence(module, experience.query_ids, experience.query_mask,
-                                                       experience.response_ids, experience.response_mask,
-                                                       experience.context_mask)
+                divergence, entropy, _ = self._divergence(module, experience.query_ids, experience.query_mask,
+                                                          experience.response_ids, experience.response_mask,
+                                                          experience.context_mask)
                 sums += torch.stack([divergence.sum(), entropy.sum(), torch.tensor(float(divergence.numel()))]).to(
                     sums.device)
         module.train(was_training)
