@@ -2,9 +2,10 @@
 
 One process per run, each configuration in its own subprocess, rounds interleaved (A B A B ...) so that drifts in
 the load of this shared machine hit both alike. Both libraries load the same seeded student and teacher toy Llamas
-from their directories (fp32, sdpa, no activation checkpointing, bf16 off), with the same optimizer, batch, beta and
-seed, and decode greedily (`generation_kwargs={"do_sample": False}`) a set of prompts that is exactly one generation
-batch: every step trains on all of them, so the completions, the work and the losses are the same (checked to 1e-4;
+(`--preset qwen`: bench/scale.py's Qwen2.5-0.5B shape at 1 and 2 layers, random-word prompts) from their
+directories (fp32, sdpa, no activation checkpointing, bf16 off), with the same optimizer, batch, beta and seed, and
+decode greedily (`generation_kwargs={"do_sample": False}`) a set of prompts that is exactly one generation batch:
+every step trains on all of them, so the completions, the work and the losses are the same (checked to 1e-4;
 tests/compat/test_trl_distillation.py does the same per step).
 
     hf_rlhf     `DistillationTrainer`: PPOTrainer's rollout (generation_backend="generate"), the divergence from the
@@ -17,8 +18,8 @@ worker process's.
 
     python bench/distill.py --repeats 3              # ~4 min on 2 busy CPU cores
     python bench/distill.py --quick --repeats 1 --output /tmp/smoke.json     # smoke test, < 60 s
-    python bench/distill.py --preset qwen --configs hf_rlhf_lean,trl --repeats 3 \
-        --output bench/results/distill_qwen.json     # the Qwen2.5-0.5B shape (152k vocabulary), ~10 min
+    python bench/distill.py --preset qwen --repeats 3 --output bench/results/distill_qwen.json
+                                                # the Qwen2.5-0.5B shape (152k vocabulary): ~14 min on 2 cores
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ PRESETS = {
     # (tokens, V) tensors, the generation's logits and the optimizer states dominate, not the libraries' imports
     "qwen": dict(batch_size=8, steps=4, accumulation=2, completion_length=64, prompt_length=32, shape="qwen2.5-0.5b",
                  student=1, teacher=2),
+    # the same path at bench/scale.py's SmolLM2-135M shape (49,152 entries: the chunked divergence), for the smoke test
+    "smoke_shape": dict(batch_size=4, steps=2, accumulation=2, completion_length=8, prompt_length=8,
+                        shape="smollm2-135m", student=1, teacher=2),
 }
 
 
