@@ -242,15 +242,14 @@ class _LinearHeadDivergence(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if want_w else None
         grad_b = torch.zeros_like(bias) if want_b else None
         for start in range(0, n, chunk):
-            h = hidden[start:start + chunk]
-            with torch.no_grad():
-                z, capped = F.linear(h, weight, bias).to(dtype), None
-                if scale != 1.0:
-                    z.mul_(scale)
-                if softcap is not None:
-                    capped = z.div_(softcap).tanh_()
-                    z = capped * softcap
-                z_t = teacher_logits_fn(teacher_hidden[start:start + chunk])
+            h = hidden[start:start + chunk]  # autograd is off inside a Function's forward
+            z, capped = F.linear(h, weight, bias).to(dtype), None
+            if scale != 1.0:
+                z.mul_(scale)
+            if softcap is not None:
+                capped = z.div_(softcap).tanh_()
+                z = capped * softcap
+            z_t = teacher_logits_fn(teacher_hidden[start:start + chunk])
             d, e, g = divergence_and_gradient(z, z_t, beta, temperature)
             del z, z_t
             if capped is not None:  # d (cap tanh(z scale / cap)) / d(z scale) = 1 - tanh²
@@ -272,9 +271,7 @@ class _LinearHeadDivergence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, grad_divergence, grad_entropy):
-        grad_h, grad_w, grad_b = ctx.saved_tensors  # used once: scaled in place
-        grads = [None if g is None else (g if bool(grad_total == 1) else g.mul_(grad_total.to(g.dtype)))
-                 for g in (grad_h, grad_w, grad_b)]
+        grads = [None if g is None else g.mul_(grad_total.to(g.dtype)) for g in ctx.saved_tensors]  # used once
         return (*grads, None, None, None, None, None, None, None)
 
 

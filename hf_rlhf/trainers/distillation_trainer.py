@@ -24,7 +24,6 @@ from transformers import AutoConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from ..data import DataValidationError, as_dataset
-from ..losses.chunked_head import tokens_per_chunk
 from ..losses.distillation import (
     chunked_divergence,
     divergence_chunk_tokens,
@@ -248,7 +247,7 @@ class DistillationTrainer(StepTimeMixin, PPOTrainer):
                 with teacher_scope():
                     return teacher_head.logits(h)
 
-            chunk = tokens_per_chunk(student_head.vocab_size, divergence_chunk_tokens(student_head.vocab_size))
+            chunk = divergence_chunk_tokens(student_head.vocab_size)
             student_hidden, teacher_hidden = hidden[keep], teacher_hidden[keep].to(hidden.device)
             linear = student_head.module
             if type(linear) is nn.Linear and torch.is_grad_enabled() and not is_deepspeed_zero3_enabled():
