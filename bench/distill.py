@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every run (default 1)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
+    if cli.quick and cli.preset != "full":
+        parser.error(f"--quick is --preset quick; got --preset {cli.preset} as well")
     preset = "quick" if cli.quick else cli.preset
     configs = [c for c in cli.configs.split(",") if c]
     if not configs or set(configs) - set(CONFIGS) or "trl" not in configs:
